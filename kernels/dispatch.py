@@ -1,0 +1,84 @@
+"""Which implementation a kernel wrapper runs: the Triton kernel or the pure-torch reference.
+
+Default ("auto"): Triton for CUDA tensors, the torch reference elsewhere. The environment variable
+`SPECDEC_KERNELS=triton|torch|auto` overrides the default, and every wrapper takes `backend=` to
+override both. Forcing "triton" on CPU tensors works under `TRITON_INTERPRET=1` (slow, exact): that is
+how the kernel tests run without a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def triton_available() -> bool:
+    # find_spec, not import: importing triton fixes TRITON_INTERPRET for the process (see lazy_jit)
+    return importlib.util.find_spec("triton") is not None
+
+
+def choose_backend(tensor: torch.Tensor, backend: str | None = None) -> str:
+    """Resolve `backend` (argument, then $SPECDEC_KERNELS, then auto) to "triton" or "torch"."""
+    choice = backend or os.environ.get("SPECDEC_KERNELS", "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"kernel backend {choice!r} is not one of {BACKENDS} (argument or $SPECDEC_KERNELS)")
+    if choice == "auto":
+        return "triton" if tensor.is_cuda and triton_available() else "torch"
+    if choice == "triton":
+        if not triton_available():
+            raise RuntimeError("kernel backend 'triton' requested but triton is not installed")
+        if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("kernel backend 'triton' on CPU tensors needs TRITON_INTERPRET=1")
+    return choice
+
+
+def check(condition: bool, message: str) -> None:
+    """Argument validation for wrappers: a ValueError that names the argument."""
+    if not condition:
+        raise ValueError(message)
+
+
+class LazyJit:
+    """A Triton kernel whose `@triton.jit` decoration waits for its first launch (`kernel[grid](...)`).
+
+    Importing a kernel module therefore never imports triton: CPU-only installs and the torch path do not
+    need it, and `TRITON_INTERPRET` (which triton reads when it is imported and when a function is
+    decorated) only has to be set before the first launch, not before the first `import specdec`.
+    Materialising one kernel decorates every `LazyJit` of its module in place (kernels call their helpers
+    by global name) and binds the module's global `tl` to `triton.language`; it happens once.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+
+    def materialize(self):
+        import triton
+        import triton.language
+
+        module_globals = self.fn.__globals__
+        module_globals["tl"] = triton.language
+        for name, obj in list(module_globals.items()):
+            if isinstance(obj, LazyJit):
+                module_globals[name] = triton.jit(obj.fn)
+        return module_globals[self.fn.__name__]
+
+    def __getitem__(self, grid):
+        return self.materialize()[grid]
+
+
+def lazy_jit(fn) -> LazyJit:
+    """Decorator: `@triton.jit`, applied at the first launch (see `LazyJit`)."""
+    return LazyJit(fn)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,36 @@
+"""specdec: batch speculative decoding that is exactly right, and fast.
+
+`kernels/` installs as `specdec.kernels` and `models/` as `specdec.models`.
+"""
+from setuptools import setup
+
+setup(
+    name="specdec",
+    version="0.1.0",
+    description="Batch speculative decoding runtime: exact EQSPEC/EXSPEC/ragged strategies with Triton kernels",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["specdec", "specdec.strategies", "specdec.kernels", "specdec.models"],
+    package_dir={
+        "specdec": "specdec",
+        "specdec.strategies": "specdec/strategies",
+        "specdec.kernels": "kernels",
+        "specdec.models": "models",
+    },
+    package_data={"specdec": ["assets/*/*", "assets/*.txt"]},
+    install_requires=[
+        "torch>=2.4",
+        "triton>=3.0; platform_system == 'Linux'",
+        "safetensors>=0.4",
+        "sentencepiece>=0.2",
+        "tokenizers>=0.19",
+        "tqdm",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=4.51", "protobuf", "jinja2", "matplotlib"],
+        "bench": ["matplotlib", "pytest-benchmark"],
+    },
+    entry_points={"console_scripts": ["specdec=specdec.run:main"]},
+)

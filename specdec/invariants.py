@@ -1,0 +1,78 @@
+"""Invariant checks after every step (debug mode: `LLM(check_invariants=True)` or
+SPECDEC_CHECK_INVARIANTS=1). Each failure names the invariant, the row and the column.
+
+- lengths: target caches all tokens but the last, the draft one fewer (see batch.py);
+- I2 positions and I4 KV correspondence: layer-0 K/V depend only on (token, position), so recomputing
+  them for every cached token of every row and comparing with the cache columns `start + t` catches
+  positions that count padding, rejected drafts left in the cache and rows shifted wrongly;
+- I3 attention: the mask of a one-token step lets row i see exactly its columns start..start+length;
+- I6 rectangular (left-padded layout): start + length is the same for every row; ragged: start = 0.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class InvariantError(AssertionError):
+    pass
+
+
+def _tolerance(dtype) -> float:
+    return {torch.float64: 1e-9, torch.float32: 1e-4}.get(dtype, 5e-2)
+
+
+def check_cache(name: str, model, cache, sequences: list[list[int]], lag: int) -> None:
+    """`cache` must hold the first len(seq) - lag tokens of every row's sequence."""
+    B = cache.batch_size
+    start, length = cache.start.tolist(), cache.length.tolist()
+    for i in range(B):
+        expected = len(sequences[i]) - lag
+        if length[i] != expected:
+            raise InvariantError(f"lengths: {name} row {i}: cache length {length[i]}, expected {expected}")
+        if start[i] < 0 or start[i] + length[i] > cache.capacity:
+            raise InvariantError(f"bounds: {name} row {i}: columns {start[i]}..{start[i] + length[i]} outside the cache")
+    ends = {s + n for s, n in zip(start, length)}
+    if cache.layout == "left" and len(ends) > 1:
+        raise InvariantError(f"I6 rectangular: {name} rows end at different columns {sorted(ends)}")
+    if cache.layout == "ragged" and any(start):
+        raise InvariantError(f"ragged layout: {name} row {start.index(next(s for s in start if s))} has start != 0")
+
+    plan = cache.plan(1)
+    for i in range(B):
+        want = torch.zeros(plan.width, dtype=torch.bool)
+        want[start[i]: start[i] + length[i] + 1] = True
+        got = plan.mask[i, 0].cpu()
+        if not torch.equal(got, want):
+            col = int((got != want).nonzero()[0])
+            raise InvariantError(f"I3 attention: {name} row {i} column {col}: mask is {bool(got[col])}, expected {bool(want[col])}")
+
+    if not hasattr(model, "layer0_kv"):
+        return  # a foreign model without the cheap recomputation hook: lengths, layout and mask only
+    tol = _tolerance(cache.k.dtype)
+    for i in range(B):
+        n = length[i]
+        if n == 0:
+            continue
+        tokens = torch.tensor(sequences[i][:n], device=cache.k.device)[None]  # [1, n]
+        positions = torch.arange(n, device=cache.k.device)[None]  # [1, n]
+        k_ref, v_ref = model.layer0_kv(tokens, positions)  # [1, H_kv, n, D]
+        cols = slice(start[i], start[i] + n)
+        for what, ref, got in (("K", k_ref[0], cache.k[0, i, :, cols]), ("V", v_ref[0], cache.v[0, i, :, cols])):
+            err = (ref.double() - got.double()).abs().amax(dim=(0, 2))  # [n]
+            scale = ref.double().abs().amax().clamp(min=1.0)
+            bad = (err > tol * scale).nonzero()
+            if len(bad):
+                t = int(bad[0])
+                which = "I2 positions / I4 KV correspondence"
+                raise InvariantError(
+                    f"{which}: {name} row {i} column {start[i] + t} (token {sequences[i][t]} at index {t}): "
+                    f"cached {what} differs from recomputation by {float(err[t]):.3g}")
+
+
+def check_invariants(ctx, batch) -> None:
+    sequences = [r.prompt_ids + r.output_ids for r in batch.requests]
+    check_cache("target", ctx.target, batch.target_cache, sequences, lag=1)
+    if batch.draft_cache is not None:
+        check_cache("draft", ctx.draft, batch.draft_cache, sequences, lag=2)
+        if batch.target_cache.layout == "left" and not torch.equal(batch.target_cache.start, batch.draft_cache.start):
+            raise InvariantError("I6 rectangular: target and draft rows start at different columns")

@@ -1,0 +1,178 @@
+"""`LLM`: the user-facing engine. Loads (or wraps) a target and a draft model, checks that they share a
+vocabulary, and runs a strategy over any number of prompts, `batch_size` rows at a time."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from specdec.models import CheckpointError, load_model, load_tokenizer
+
+from .batch import DecodeContext
+from .metrics import PhaseTimer, RunMetrics
+from .request import Request, RequestOutput
+from .sampling import SamplingParams, request_generator
+from .strategies import SPECULATIVE, STRATEGIES
+
+METHODS = tuple(STRATEGIES)
+
+
+class Outputs(list):
+    """The per-request outputs, in prompt order, with the run's aggregate `metrics`."""
+
+    metrics: RunMetrics
+
+
+def _has_tokenizer(path) -> bool:
+    return any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.model", "tokenizer.json"))
+
+
+class LLM:
+    """Batch speculative decoding engine.
+
+    target, draft: checkpoint directories (Llama/Vicuna, Qwen3, GLM-4 in HF format) or model objects
+    meeting the protocol of docs/api.md. method: "ar", "eqspec", "ragged" or "exspec".
+    check_invariants: verify invariants I2-I6 after every step (default: $SPECDEC_CHECK_INVARIANTS).
+    """
+
+    def __init__(self, target, draft=None, method: str = "eqspec", num_speculative_tokens: int = 5,
+                 batch_size: int = 8, dtype="float32", device="cpu", check_invariants: bool | None = None,
+                 kernel_backend: str | None = None, window_size: int = 48, max_wait_steps: int = 8,
+                 tokenizer=None):
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        speculative = method in SPECULATIVE
+        if speculative and num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1 for method {method!r}, got {num_speculative_tokens}")
+        if speculative and draft is None:
+            raise ValueError(f"method {method!r} needs a draft model (draft=...)")
+        if method == "exspec" and window_size < batch_size:
+            raise ValueError(f"window_size ({window_size}) must be >= batch_size ({batch_size})")
+        self.method = method
+        self.k = num_speculative_tokens if speculative else 0
+        self.batch_size = batch_size
+        self.device = torch.device(device)
+        self.kernel_backend = kernel_backend
+        self.window_size = window_size
+        self.max_wait_steps = max_wait_steps
+        if check_invariants is None:
+            check_invariants = os.environ.get("SPECDEC_CHECK_INVARIANTS", "0") not in ("", "0")
+        self.check_invariants = check_invariants
+
+        self.target = self._model(target, dtype)
+        self.draft = self._model(draft, dtype) if speculative else None
+        self.tokenizer = tokenizer
+        if tokenizer is None and isinstance(target, (str, os.PathLike)) and _has_tokenizer(target):
+            self.tokenizer = load_tokenizer(target)
+        self.vocab_size = self._shared_vocab(target, draft)
+        eos = set(getattr(getattr(self.target, "cfg", None), "eos_token_ids", ()) or ())
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self.max_context = min(self._max_positions(m) for m in (self.target, self.draft) if m is not None)
+
+    def _model(self, spec, dtype):
+        if isinstance(spec, (str, os.PathLike)):
+            return load_model(spec, dtype=dtype, device=self.device)
+        for attr in ("forward", "new_cache", "vocab_size"):
+            if not hasattr(spec, attr):
+                raise TypeError(f"model object {type(spec).__name__} lacks {attr!r} (see docs/api.md, model protocol)")
+        return spec
+
+    @staticmethod
+    def _max_positions(model) -> int:
+        cfg = getattr(model, "cfg", None)
+        return getattr(cfg, "max_position_embeddings", None) or getattr(model, "max_position_embeddings", 1 << 30)
+
+    def _shared_vocab(self, target_spec, draft_spec) -> int:
+        """The vocabulary both models speak; refuse different tokenizers (padded embeddings are fine)."""
+        sizes = [self.target.vocab_size] + ([self.draft.vocab_size] if self.draft is not None else [])
+        if self.draft is None:
+            return sizes[0]
+        paths = [p for p in (target_spec, draft_spec) if isinstance(p, (str, os.PathLike))]
+        with_tok = [p for p in paths if _has_tokenizer(p)]
+        if len(with_tok) == 2:
+            t_tok, d_tok = self.tokenizer or load_tokenizer(target_spec), load_tokenizer(draft_spec)
+            if t_tok.fingerprint() != d_tok.fingerprint():
+                raise CheckpointError(
+                    f"draft {draft_spec} and target {target_spec} have different tokenizers/vocabularies "
+                    f"(vocab sizes {d_tok.vocab_size} and {t_tok.vocab_size}); speculative decoding needs one vocabulary")
+            if t_tok.vocab_size > min(sizes):
+                raise CheckpointError(f"tokenizer has {t_tok.vocab_size} ids but a model's embedding has only {min(sizes)}")
+            return t_tok.vocab_size
+        if sizes[0] != sizes[1]:
+            raise CheckpointError(
+                f"draft and target vocabulary sizes differ ({sizes[1]} vs {sizes[0]}) and no tokenizers are "
+                f"available to show they agree")
+        return sizes[0]
+
+    # ------------------------------------------------------------------ generate
+    def _requests(self, prompts, prompt_token_ids, sampling_params):
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompts (text) or prompt_token_ids")
+        if prompts is not None:
+            if isinstance(prompts, str):
+                prompts = [prompts]
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer: the target directory has none; pass prompt_token_ids")
+            prompt_token_ids = [self.tokenizer.encode(p) for p in prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompt_token_ids)
+        if len(sampling_params) != len(prompt_token_ids):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompt_token_ids)} prompts")
+        requests = []
+        for i, (ids, params) in enumerate(zip(prompt_token_ids, sampling_params)):
+            ids = [int(t) for t in ids]
+            if not ids:
+                raise ValueError(f"prompt {i} is empty (no tokens)")
+            if max(ids) >= self.vocab_size or min(ids) < 0:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size})")
+            need = len(ids) + params.max_tokens + self.k + 1
+            if need > self.max_context:
+                raise ValueError(
+                    f"prompt {i} has {len(ids)} tokens; with max_tokens={params.max_tokens} and k={self.k} it needs "
+                    f"{need} positions but the model context is {self.max_context}")
+            stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            generator = None if params.greedy else request_generator(params.seed, self.device)
+            requests.append(Request(i, ids, params, frozenset(stop), generator))
+        return prompts, requests
+
+    @torch.inference_mode()
+    def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, use_tqdm: bool = False) -> Outputs:
+        """Generate for every prompt (text, or token ids via `prompt_token_ids`); outputs in prompt order."""
+        prompts, requests = self._requests(prompts, prompt_token_ids, sampling_params)
+        metrics = RunMetrics(self.method, self.batch_size, num_requests=len(requests))
+        ctx = DecodeContext(self.target, self.draft, self.k, self.vocab_size, self.device, metrics,
+                            PhaseTimer(metrics, self.device), self.check_invariants, self.kernel_backend)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(requests), desc=f"{self.method} requests", unit="req", dynamic_ncols=True)
+
+        def progress(n: int) -> None:
+            if bar is not None and n:
+                bar.update(n)
+                bar.set_postfix(tokens=metrics.generated_tokens, refresh=False)
+
+        t0 = time.perf_counter()
+        for r in requests:
+            r.submitted_at = t0
+        STRATEGIES[self.method].run(ctx, requests, self.batch_size, progress,
+                                    window_size=self.window_size, max_wait_steps=self.max_wait_steps)
+        metrics.wall_time_s = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        outputs = Outputs()
+        for r in requests:
+            metrics.latencies_s.append((r.finished_at or t0) - r.submitted_at)
+            metrics.ttfts_s.append((r.first_token_at or t0) - r.submitted_at)
+            text = self.tokenizer.decode(r.output_ids) if self.tokenizer is not None else None
+            outputs.append(RequestOutput.from_request(r, prompts[r.index] if prompts else None, text))
+        outputs.metrics = metrics
+        return outputs

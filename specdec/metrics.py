@@ -1,0 +1,91 @@
+"""Run metrics every strategy reports: throughput, acceptance, tokens per step, forward counts and the
+time split into draft / verify / accept / realign / other."""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+PHASES = ("draft", "verify", "accept", "realign", "other")
+
+
+@dataclass
+class RunMetrics:
+    method: str
+    batch_size: int
+    num_requests: int = 0
+    generated_tokens: int = 0
+    wall_time_s: float = 0.0
+    proposed_drafts: int = 0
+    accepted_drafts: int = 0
+    row_steps: int = 0  # sum over steps of the rows verified (or decoded, for AR)
+    steps: int = 0
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    grouped_steps: int = 0  # EXSPEC: steps whose batch needed no realignment
+    phase_time_s: dict = field(default_factory=lambda: {p: 0.0 for p in PHASES})
+    latencies_s: list = field(default_factory=list)
+    ttfts_s: list = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_time_s if self.wall_time_s else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_drafts / self.proposed_drafts if self.proposed_drafts else 0.0
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        """Tokens a row gains per target forward: 1 for AR, 1 + accepted drafts for speculation."""
+        return self.generated_tokens / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def realign_share(self) -> float:
+        total = sum(self.phase_time_s.values())
+        return self.phase_time_s["realign"] / total if total else 0.0
+
+    @property
+    def grouping_rate(self) -> float:
+        return self.grouped_steps / self.steps if self.steps else 0.0
+
+    def latency_percentiles(self, which: str = "latency") -> dict:
+        values = torch.tensor(self.latencies_s if which == "latency" else self.ttfts_s, dtype=torch.float64)
+        if not len(values):
+            return {"p50": 0.0, "p95": 0.0, "p99": 0.0}
+        q = torch.quantile(values, torch.tensor([0.5, 0.95, 0.99], dtype=torch.float64))
+        return {"p50": float(q[0]), "p95": float(q[1]), "p99": float(q[2])}
+
+    def as_dict(self) -> dict:
+        return {
+            "method": self.method, "batch_size": self.batch_size, "num_requests": self.num_requests,
+            "generated_tokens": self.generated_tokens, "wall_time_s": self.wall_time_s,
+            "tokens_per_s": self.tokens_per_s, "acceptance_rate": self.acceptance_rate,
+            "mean_tokens_per_step": self.mean_tokens_per_step, "steps": self.steps,
+            "target_forwards": self.target_forwards, "draft_forwards": self.draft_forwards,
+            "realign_share": self.realign_share, "grouping_rate": self.grouping_rate,
+            "phase_time_s": dict(self.phase_time_s),
+            "latency_s": self.latency_percentiles("latency"), "ttft_s": self.latency_percentiles("ttft"),
+        }
+
+
+class PhaseTimer:
+    """Accumulates wall time per phase into `metrics.phase_time_s`; synchronises CUDA at boundaries."""
+
+    def __init__(self, metrics: RunMetrics, device):
+        self.metrics = metrics
+        self.cuda = torch.device(device).type == "cuda"
+
+    @contextmanager
+    def phase(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.metrics.phase_time_s[name] += time.perf_counter() - t0

@@ -1,0 +1,79 @@
+"""A request's state during generation and what `LLM.generate` returns for it."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    index: int  # position in the caller's prompt list: outputs come back in this order
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]  # EOS ids (unless ignore_eos) plus the request's stop_token_ids
+    generator: torch.Generator | None = None  # None for greedy requests
+    output_ids: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)  # drafts accepted at each of its verification steps
+    finish_reason: str | None = None  # "stop" | "length"
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    scheduled_steps: int = 0
+    max_wait_steps: int = 0  # EXSPEC: the longest run of steps it sat in the pool unscheduled
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def sequence_length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def last_tokens(self, n: int) -> list[int]:
+        """The last n tokens of prompt + output (n <= 2 in practice)."""
+        tail = self.output_ids[-n:]
+        missing = n - len(tail)
+        return (self.prompt_ids[-missing:] if missing else []) + tail
+
+    def commit(self, tokens: list[int]) -> int:
+        """Append emitted tokens, stopping exactly where AR decoding would. Returns how many were kept."""
+        kept = 0
+        for token in tokens:
+            if self.finished:
+                break
+            self.output_ids.append(token)
+            kept += 1
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.output_ids) >= self.params.max_tokens:
+                self.finish_reason = "length"
+        now = time.perf_counter()
+        if self.first_token_at is None and kept:
+            self.first_token_at = now
+        if self.finished and self.finished_at is None:
+            self.finished_at = now
+        return kept
+
+
+@dataclass
+class RequestOutput:
+    index: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    accepted_counts: list[int]  # drafts accepted per verification step (empty for AR)
+    latency_s: float
+    time_to_first_token_s: float
+    max_wait_steps: int
+
+    @classmethod
+    def from_request(cls, r: Request, prompt: str | None, text: str | None) -> "RequestOutput":
+        return cls(r.index, prompt, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason,
+                   list(r.accepted), (r.finished_at or r.submitted_at) - r.submitted_at,
+                   (r.first_token_at or r.submitted_at) - r.submitted_at, r.max_wait_steps)

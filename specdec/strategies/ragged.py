@@ -1,0 +1,14 @@
+"""RAGGED: per-row offsets (start = 0), rows write their accepted tokens at their own columns and
+nothing is ever shifted; a finished row's slot takes the next prompt (continuous batching). This goes
+beyond the paper: realignment costs nothing."""
+from __future__ import annotations
+
+from ..batch import DecodeContext
+from ..speculative import speculative_step
+from .continuous import run_continuous
+
+USES_DRAFT = True
+
+
+def run(ctx: DecodeContext, requests, batch_size: int, progress, **_) -> None:
+    run_continuous(ctx, requests, batch_size, speculative_step, progress)
