@@ -64,16 +64,23 @@ def load_model(path, dtype="float32", device="cpu") -> Transformer:
             raise CheckpointError(f"{file}: shard listed in model.safetensors.index.json does not exist")
         try:
             with safe_open(file, framework="pt", device=str(device)) as f:
-                names = list(f.keys()) if keys is None else keys
-                for key in names:
-                    if keys is not None and key not in f.keys():
-                        raise CheckpointError(f"{file}: key {key!r} listed in the index is not in the file")
+                present = set(f.keys())
+                listed = present if keys is None else set(keys)
+                for key in sorted(listed - present):
+                    raise CheckpointError(f"{file}: key {key!r} listed in the index is not in the file")
+                for key in sorted(present - listed):
+                    raise CheckpointError(f"{file}: unexpected weight {key!r} (not listed in the index)")
+                for key in sorted(present):
                     name = key[len("model."):] if key.startswith("model.") else key
                     if tied and name == "lm_head.weight":
                         continue  # HF ties it to the embedding anyway
                     if name not in expected:
                         raise CheckpointError(f"{file}: unexpected weight {key!r} for {cfg.family}")
+                    if name in state:
+                        raise CheckpointError(f"{file}: weight {key!r} also defined in {origin[name]}")
                     tensor = f.get_tensor(key)
+                    if not tensor.is_floating_point():
+                        raise CheckpointError(f"{file}: weight {key!r} has non-float dtype {tensor.dtype}")
                     if tuple(tensor.shape) != tuple(expected[name]):
                         raise CheckpointError(
                             f"{file}: weight {key!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}"

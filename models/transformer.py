@@ -181,6 +181,8 @@ class Transformer(nn.Module):
         `num_new` [B]: real tokens per row (default T); the rest is padding, on the left in the
         left-padded layout and on the right in the ragged one. Writes K/V and advances `cache.length`.
         """
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         B, T = input_ids.shape
         plan = cache.plan(T, num_new)
         cos, sin = self.rope(plan.positions)

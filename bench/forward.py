@@ -1,0 +1,205 @@
+"""Forward pass: our Transformer vs transformers' LlamaForCausalLM on the same checkpoint, side by side.
+
+A random Llama checkpoint (default ~74M parameters: hidden 512, 12 layers, 8 heads, intermediate 1536,
+vocab 32000) is written to a temp dir with `save_pretrained`, then loaded by both. For every
+(batch, new tokens per step) pair both models prefill the same prompts (`--prefill` tokens per row) into
+a cache, then time decode steps of T new tokens on top of that prefix:
+
+- ours: a preallocated `KVCache` of `--capacity` columns; after each timed step `cache.length` is put
+  back (O(1)), so every step sees the same prefix length;
+- HF: a `DynamicCache` passed as `cache=` (transformers 5's name for `past_key_values`) the normal way;
+  after each timed step it is cropped back to the prefix (`DynamicCache.crop`, outside the timed region).
+
+Both compute logits for all T positions (HF's default). Repetitions of ours and HF are interleaved (the
+order alternates each repetition) so drift in machine load hits both; the median time per step is
+reported, with `speedup = HF / ours` (> 1: ours is faster). The first step's logits of both are compared
+as a sanity check (`max|dlogit|`).
+
+    python bench/forward.py --threads 2 --repeats 30
+    python bench/forward.py --quick          # tiny model, a smoke test that the script runs
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from specdec.models import load_model
+
+FULL_MODEL = dict(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=8,
+                  intermediate_size=1536, vocab_size=32000)
+QUICK_MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=256, vocab_size=1000)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Time one decode step of our Transformer vs transformers' forward (same random Llama "
+                    "checkpoint, same cache prefix, interleaved repetitions); prints a markdown table.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1),
+                   help="torch intra-op CPU threads (torch.set_num_threads) used by both models")
+    p.add_argument("--repeats", type=int, default=30,
+                   help="timed steps per (batch, new tokens) pair and model; the median is reported")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per pair and model before timing")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
+                   help="weights, activations and KV cache dtype of both models")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes (rows per step)")
+    p.add_argument("--new-tokens", type=int, nargs="+", default=[1, 6],
+                   help="new tokens per row per step (1 = plain decode, k+1 = a speculative verify)")
+    p.add_argument("--prefill", type=int, default=200, help="prompt tokens per row cached before the timed steps")
+    p.add_argument("--capacity", type=int, default=256, help="columns of our preallocated KV cache")
+    p.add_argument("--layout", default="ragged", choices=["ragged", "left"], help="our cache layout")
+    p.add_argument("--device", default="cpu", help="torch device for both models")
+    p.add_argument("--out", default=None,
+                   help="also write the results to this file: .json for JSON, anything else for CSV")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: a tiny 2-layer model, prefill 32, 3 repeats (numbers not meaningful)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and token ids")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prefill, args.repeats, args.warmup, args.capacity = 32, 3, 1, 64
+    if args.prefill + max(args.new_tokens) > args.capacity:
+        p.error(f"--prefill {args.prefill} + max --new-tokens {max(args.new_tokens)} exceeds --capacity {args.capacity}")
+    return args
+
+
+def build_checkpoint(path: str, quick: bool, seed: int) -> int:
+    """Save a random Llama checkpoint to `path`; returns its parameter count."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**(QUICK_MODEL if quick else FULL_MODEL), max_position_embeddings=2048,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class Ours:
+    name = "ours"
+
+    def __init__(self, model, prompts, capacity, layout):
+        self.model = model
+        B, P = prompts.shape
+        self.cache = model.new_cache(B, capacity, layout)
+        self.cache.set_prefill(torch.full((B,), P, dtype=torch.long, device=prompts.device), P)
+        model(prompts, self.cache, logits="last")
+        self.length = self.cache.length.clone()
+
+    def step(self, new):
+        return self.model(new, self.cache)  # [B, T, V]
+
+    def reset(self):
+        self.cache.length = self.length.clone()
+
+
+class HF:
+    name = "hf"
+
+    def __init__(self, model, prompts):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.prefix = prompts.shape[1]
+        with torch.no_grad():
+            model(prompts, cache=self.cache, use_cache=True, logits_to_keep=1)
+
+    @torch.no_grad()
+    def step(self, new):
+        return self.model(new, cache=self.cache, use_cache=True).logits  # [B, T, V]
+
+    def reset(self):
+        extra = self.cache.get_seq_length() - self.prefix
+        if extra:
+            self.cache.crop(-extra)  # transformers 5: a negative count of tokens to drop
+
+
+def time_pair(runners, new, repeats, warmup, device):
+    """Interleaved timing of each runner's step on the same input; returns {name: [seconds]}."""
+    times = {r.name: [] for r in runners}
+    for r in runners:
+        for _ in range(warmup):
+            r.step(new)
+            r.reset()
+    for rep in range(repeats):
+        order = runners if rep % 2 == 0 else runners[::-1]
+        for r in order:
+            sync(device)
+            t0 = time.perf_counter()
+            r.step(new)
+            sync(device)
+            times[r.name].append(time.perf_counter() - t0)
+            r.reset()
+    return times
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        n_params = build_checkpoint(tmp, args.quick, args.seed)
+        ours_model = load_model(tmp, dtype=args.dtype, device=args.device)
+        hf_model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(args.device).eval()
+        attn = getattr(hf_model.config, "_attn_implementation", "?")
+        g = torch.Generator().manual_seed(args.seed)
+        vocab = hf_model.config.vocab_size
+        for B in args.batch:
+            prompts = torch.randint(3, vocab, (B, args.prefill), generator=g).to(args.device)
+            for T in args.new_tokens:
+                new = torch.randint(3, vocab, (B, T), generator=g).to(args.device)
+                ours = Ours(ours_model, prompts, args.capacity, args.layout)
+                hf = HF(hf_model, prompts)
+                err = (ours.step(new).float() - hf.step(new).float()).abs().max().item()
+                ours.reset()
+                hf.reset()
+                times = time_pair([ours, hf], new, args.repeats, args.warmup, args.device)
+                t_ours, t_hf = statistics.median(times["ours"]), statistics.median(times["hf"])
+                rows.append(dict(batch=B, new_tokens=T, prefix=args.prefill, ours_ms=1e3 * t_ours,
+                                 hf_ms=1e3 * t_hf, ratio_ours_over_hf=t_ours / t_hf, speedup=t_hf / t_ours,
+                                 max_abs_logit_diff=err))
+                print(f"B={B} T={T}: ours {1e3 * t_ours:.2f} ms, HF {1e3 * t_hf:.2f} ms", file=sys.stderr)
+
+    header = (f"Llama {n_params / 1e6:.1f}M params, {args.dtype}, device {args.device}, {args.threads} threads, "
+              f"prefix {args.prefill} tokens, our cache {args.capacity} columns ({args.layout} layout), "
+              f"HF attn_implementation={attn}, median of {args.repeats}; torch {torch.__version__}, "
+              f"transformers {__import__('transformers').__version__}, {platform.processor() or platform.machine()}")
+    print(header + "\n")
+    print("| batch | new tokens/row | ours ms/step | HF ms/step | ours/HF | speedup (HF/ours) | max abs dlogit |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['new_tokens']} | {r['ours_ms']:.2f} | {r['hf_ms']:.2f} | "
+              f"{r['ratio_ours_over_hf']:.2f} | {r['speedup']:.2f}x | {r['max_abs_logit_diff']:.1e} |")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        if args.out.endswith(".json"):
+            with open(args.out, "w") as f:
+                json.dump(dict(settings=vars(args), params=n_params, header=header, rows=rows), f, indent=2)
+        else:
+            with open(args.out, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
