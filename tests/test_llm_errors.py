@@ -1,0 +1,90 @@
+"""LLM refuses bad set-ups at construction, and bad requests before running anything."""
+import shutil
+
+import pytest
+
+from checkpoints import make_checkpoint, make_pair
+from specdec import LLM, SamplingParams
+from specdec.models import CheckpointError
+
+
+def write_tokenizer(path, words):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair("llama", tmp_path_factory.mktemp("pair"))
+
+
+def test_method_and_k_and_batch_size(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="method"):
+        LLM(target, draft, method="medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(target, draft, method="eqspec", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        LLM(target, draft, batch_size=0)
+    with pytest.raises(ValueError, match="draft"):
+        LLM(target, None, method="ragged")
+    LLM(target, None, method="ar", num_speculative_tokens=0)  # AR needs neither
+
+
+def test_mismatched_vocabularies(tmp_path, pair):
+    target, _ = pair
+    other = make_checkpoint("llama", tmp_path / "other", vocab_size=200)
+    with pytest.raises(CheckpointError, match="vocabulary sizes differ"):
+        LLM(target, other)
+
+
+def test_mismatched_tokenizers(tmp_path):
+    target, draft = make_pair("llama", tmp_path)
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(128)]
+    write_tokenizer(tmp_path / "llama-target", words)
+    write_tokenizer(tmp_path / "llama-draft", words[:3] + words[3:][::-1])
+    with pytest.raises(CheckpointError, match="different tokenizers"):
+        LLM(str(tmp_path / "llama-target"), str(tmp_path / "llama-draft"))
+    shutil.copy(tmp_path / "llama-target" / "tokenizer.json", tmp_path / "llama-draft" / "tokenizer.json")
+    llm = LLM(str(tmp_path / "llama-target"), str(tmp_path / "llama-draft"))  # same tokenizer: fine
+    outs = llm.generate(["w1 w2 w3"], SamplingParams(max_tokens=4))
+    assert outs[0].prompt_token_ids == [4, 5, 6] and isinstance(outs[0].text, str)
+
+
+def test_padded_embedding_alone_is_fine(tmp_path):
+    """Same tokenizer, one model's embedding padded: accepted, logits cut to the tokenizer's size."""
+    target = make_checkpoint("llama", tmp_path / "t", vocab_size=131)
+    draft = make_checkpoint("llama", tmp_path / "d", vocab_size=160, seed=3)
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(120)]
+    write_tokenizer(tmp_path / "t", words)
+    write_tokenizer(tmp_path / "d", words)
+    llm = LLM(target, draft, num_speculative_tokens=2, dtype="float64")
+    assert llm.vocab_size == len(words)
+    outs = llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(max_tokens=8))
+    assert all(t < len(words) for t in outs[0].token_ids)
+
+
+def test_prompt_longer_than_context(pair):
+    target, draft = pair  # max_position_embeddings = 512
+    llm = LLM(target, draft, num_speculative_tokens=5)
+    with pytest.raises(ValueError, match="prompt 1 has 500 tokens"):
+        llm.generate(prompt_token_ids=[[5], [5] * 500], sampling_params=SamplingParams(max_tokens=16))
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        llm.generate(prompt_token_ids=[[]])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate(prompt_token_ids=[[5, 10_000]])
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate(["text needs a tokenizer"])
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
