@@ -18,7 +18,7 @@ setup(
         "specdec.kernels": "kernels",
         "specdec.models": "models",
     },
-    package_data={"specdec": ["assets/*/*", "assets/*.txt"]},
+    package_data={"specdec": ["assets/prompts.txt", "assets/default_pair/*/*"]},
     install_requires=[
         "torch>=2.4",
         "triton>=3.0; platform_system == 'Linux'",
