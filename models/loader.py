@@ -45,8 +45,10 @@ def weight_files(path: str) -> dict[str, list[str]]:
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json found")
 
 
-def load_model(path, dtype="float32", device="cpu") -> Transformer:
-    """Load an HF checkpoint directory (Llama/Vicuna, Qwen3, GLM-4) into our Transformer."""
+def load_model(path, dtype="float32", device="cpu", fuse: bool = True) -> Transformer:
+    """Load an HF checkpoint directory (Llama/Vicuna, Qwen3, GLM-4) into our Transformer.
+
+    `fuse` (default) merges q/k/v and gate/up projections after loading: same numbers, fewer matmuls."""
     path = os.fspath(path)
     cfg = ModelConfig.from_dir(path)
     dtype = resolve_dtype(dtype)
@@ -98,6 +100,8 @@ def load_model(path, dtype="float32", device="cpu") -> Transformer:
     model.load_state_dict(state, strict=not tied, assign=True)
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
+    if fuse:
+        model.fuse_()
     return model.eval()
 
 

@@ -61,29 +61,48 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
-    def project_kv(self, x, cos, sin):
-        """K (rotated) and V of x [B, T, E]: each [B, H_kv, T, D]."""
-        cfg = self.cfg
-        B, T, _ = x.shape
-        k = self.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, H_kv, D]
-        if cfg.qk_norm:
-            k = self.k_norm(k)
-        k = apply_rope(k.transpose(1, 2), cos, sin, cfg.rope_interleaved)  # [B, H_kv, T, D]
-        v = self.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
-        return k, v
+    def fuse_(self) -> None:
+        """Replace q/k/v_proj by one `qkv_proj` (one matmul instead of three); HF names are kept for loading."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
+                          device=parts[0].weight.device, dtype=parts[0].weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([p.weight for p in parts]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([p.bias for p in parts]))
+        del self.q_proj, self.k_proj, self.v_proj
+        self.qkv_proj = fused
 
-    def forward(self, x, cos, sin, k_cache, v_cache, plan: StepPlan):
+    def qkv(self, x, cos, sin):
+        """q [B, H, T, D], k [B, H_kv, T, D] (both normed as the family says, rotated) and v [B, H_kv, T, D]."""
         cfg = self.cfg
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)  # [B, T, H, D]
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
         if cfg.qk_norm:
-            q = self.q_norm(q)
+            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin, cfg.rope_interleaved)  # [B, H, T, D]
-        k, v = self.project_kv(x, cos, sin)
-        kv_append(k_cache, v_cache, k, v, plan.columns)  # k_cache: [B, H_kv, C, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin, cfg.rope_interleaved)  # [B, H_kv, T, D]
+        return q, k, v.transpose(1, 2)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, plan: StepPlan, attn_bias, first_column):
+        """attn_bias: [B, 1, T, W] additive mask; first_column: the shared write column when every row
+        writes the same contiguous columns (left-padded layout), else None (scatter per row)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin)
+        if first_column is None:
+            kv_append(k_cache, v_cache, k, v, plan.columns)  # k_cache: [B, H_kv, C, D]
+        else:
+            k_cache[:, :, first_column: first_column + T] = k
+            v_cache[:, :, first_column: first_column + T] = v
         W = plan.width
         out = F.scaled_dot_product_attention(
-            q, k_cache[:, :, :W], v_cache[:, :, :W], attn_mask=plan.mask[:, None],  # mask: [B, 1, T, W]
+            q, k_cache[:, :, :W], v_cache[:, :, :W], attn_mask=attn_bias,
             enable_gqa=cfg.num_heads != cfg.num_kv_heads,
         )  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim))
@@ -100,6 +119,21 @@ class MLP(nn.Module):
             self.gate_proj = nn.Linear(E, I, bias=cfg.mlp_bias)
             self.up_proj = nn.Linear(E, I, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(I, E, bias=cfg.mlp_bias and not self.fused)
+
+    def fuse_(self) -> None:
+        """Replace gate_proj/up_proj by one `gate_up_proj` (gate first), as GLM-4 stores it."""
+        if self.fused:
+            return
+        gate, up = self.gate_proj, self.up_proj
+        fused = nn.Linear(gate.in_features, 2 * gate.out_features, bias=gate.bias is not None,
+                          device=gate.weight.device, dtype=gate.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([gate.weight, up.weight]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([gate.bias, up.bias]))
+        del self.gate_proj, self.up_proj
+        self.gate_up_proj = fused
+        self.fused = True
 
     def forward(self, x):
         if self.fused:
@@ -121,8 +155,8 @@ class DecoderLayer(nn.Module):
             self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, plan):
-        h = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, plan)
+    def forward(self, x, cos, sin, k_cache, v_cache, plan, attn_bias, first_column):
+        h = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, plan, attn_bias, first_column)
         if self.sandwich:
             h = self.post_self_attn_layernorm(h)
         x = x + h
@@ -186,9 +220,13 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         plan = cache.plan(T, num_new)
         cos, sin = self.rope(plan.positions)
+        zero = torch.zeros((), dtype=self.dtype, device=input_ids.device)
+        attn_bias = torch.where(plan.mask, zero, float("-inf"))[:, None]  # [B, 1, T, W], once for all layers
+        first = plan.columns[:, 0]  # [B]
+        first_column = int(first[0]) if bool((first == first[0]).all()) else None
         h = self.embed_tokens(input_ids)  # [B, T, E]
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            h = layer(h, cos, sin, k_cache, v_cache, plan)
+            h = layer(h, cos, sin, k_cache, v_cache, plan, attn_bias, first_column)
         if logits == "last":
             last = torch.full_like(plan.num_new, T - 1) if cache.left_padded else plan.num_new - 1  # [B]
             h = h[torch.arange(B, device=h.device), last][:, None]  # [B, 1, E]
@@ -200,4 +238,12 @@ class Transformer(nn.Module):
         """K/V of layer 0 for tokens [B, T] at positions [B, T]: a cheap invariant check (I2, I4)."""
         cos, sin = self.rope(positions)
         layer = self.layers[0]
-        return layer.self_attn.project_kv(layer.input_layernorm(self.embed_tokens(token_ids)), cos, sin)
+        _, k, v = layer.self_attn.qkv(layer.input_layernorm(self.embed_tokens(token_ids)), cos, sin)
+        return k, v
+
+    def fuse_(self) -> "Transformer":
+        """Fuse q/k/v and gate/up projections (fewer, larger matmuls); done by `load_model`."""
+        for layer in self.layers:
+            layer.self_attn.fuse_()
+            layer.mlp.fuse_()
+        return self

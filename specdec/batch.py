@@ -74,7 +74,8 @@ def draw_noise(requests: list[Request], shape, device, dtype) -> torch.Tensor:
             rows.append(torch.ones(shape, dtype=dtype, device=device))
         else:
             rows.append(torch.empty(shape, dtype=dtype, device=device).exponential_(generator=r.generator))
-    return torch.stack(rows)
+    # an exact 0 (possible on CPU) would make p / e = 0/0 = NaN and let a zero-probability token win
+    return torch.stack(rows).clamp_(min=torch.finfo(dtype).tiny)
 
 
 def draw_uniforms(requests: list[Request], k: int, device) -> torch.Tensor:

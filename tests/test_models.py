@@ -210,7 +210,20 @@ def test_family_features_are_detected(family_ckpt):
     assert qwen3.lm_head.weight is qwen3.embed_tokens.weight
     assert glm4.cfg.rope_interleaved and glm4.cfg.rotary_dim == glm4.cfg.head_dim // 2
     assert glm4.cfg.attention_bias and glm4.cfg.sandwich_norms and glm4.cfg.fused_gate_up
-    assert glm4.layers[0].self_attn.q_proj.bias is not None and glm4.layers[0].self_attn.o_proj.bias is None
+    assert glm4.layers[0].self_attn.qkv_proj.bias is not None and glm4.layers[0].self_attn.o_proj.bias is None
+    unfused = load_model(family_ckpt("glm4")[1], fuse=False)
+    assert unfused.layers[0].self_attn.q_proj.bias is not None
+
+
+def test_fused_projections_compute_the_same(family_ckpt):
+    """load_model fuses q/k/v and gate/up after loading: the logits are those of the unfused model."""
+    for family in FAMILIES:
+        path = family_ckpt(family)[1]
+        fused, plain = load_model(path, dtype="float64"), load_model(path, dtype="float64", fuse=False)
+        ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+        a = fused(ids, fused.new_cache(2, 8, "ragged"))
+        b = plain(ids, plain.new_cache(2, 8, "ragged"))
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

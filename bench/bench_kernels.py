@@ -1,0 +1,175 @@
+"""Kernel microbenchmarks (pytest-benchmark). Not part of the test run (testpaths = tests).
+
+    python -m pytest bench/bench_kernels.py --benchmark-only [--benchmark-json out.json]
+    SPECDEC_BENCH_QUICK=1 python -m pytest bench/bench_kernels.py --benchmark-only   # a couple of minutes on CPU
+
+On CPU the torch reference path is timed (the Triton interpreter says nothing about speed) and
+`extra_info["path"] == "torch"`; with CUDA the Triton kernels are timed (synchronising), next to the torch
+reference where it fits in memory, and `extra_info` also holds `triton.testing.do_bench` quantiles.
+
+realign: target cache [L, B, 8, C, 128] + draft cache [L/2, B, 8, C, 64] (a Llama-3.1-8B / 3.2-1B pair),
+bfloat16, rows shifted by delta in [-k, k] (k = 4, one row unmoved). `extra_info`: `payload_bytes` (bytes of the
+moved columns), `gbps` = 2 * payload / time (read + write) and `copy_gbps`, the same for a plain
+`dst.copy_(src)` of `payload_bytes` on the same device: the ceiling the kernel is compared against.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import pytest
+import torch
+
+from specdec.kernels import realign as rea
+from specdec.kernels import rejection as rej
+
+QUICK = os.environ.get("SPECDEC_BENCH_QUICK", "0") not in ("", "0")
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+PATH = "triton" if CUDA else "torch"
+CPU_MEMORY_LIMIT = 2 * 2**30  # skip CPU combos that would need more (caches + reference temporaries + copy)
+K = 4  # speculative tokens: |delta| <= K
+
+BATCHES = (1, 8) if QUICK else (1, 8, 32)
+CONTEXTS = (256, 1024) if QUICK else (256, 1024, 4096)
+LAYERS = (4,) if QUICK else (4, 32)
+REALIGN_IMPLS = ("kernel", "wrapper", "pingpong", "reference") if CUDA else ("reference",)
+
+REJ_BATCHES = (1, 32) if QUICK else (1, 8, 32)
+REJ_K = (4,) if QUICK else (1, 4, 8)
+REJ_VOCAB = (32000, 151936)
+REJ_MODES = ("random", "greedy")
+ROUNDS = 3 if QUICK else 5
+if not CUDA:  # a shared CPU box: oversubscribed intra-op threads are 10x slower, not faster
+    torch.set_num_threads(int(os.environ.get("SPECDEC_BENCH_THREADS", "1")))
+
+
+def _sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def _time(fn, reps=3) -> float:
+    """Median seconds of fn() (synchronised)."""
+    fn()
+    _sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _run(benchmark, fn):
+    def call():
+        fn()
+        _sync()
+
+    if CUDA:
+        from triton.testing import do_bench
+
+        q50, q20, q80 = do_bench(fn, quantiles=[0.5, 0.2, 0.8])
+        benchmark.extra_info.update(do_bench_ms_p50=q50, do_bench_ms_p20=q20, do_bench_ms_p80=q80)
+        benchmark.pedantic(call, rounds=20, iterations=1, warmup_rounds=2)
+        return q50 / 1e3
+    benchmark.pedantic(call, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    return benchmark.stats.stats.median
+
+
+def _realign_case(B, C, L):
+    """Caches and one EQSPEC-like shift: rows right-aligned at column C + K move by delta in [-K, K]."""
+    g = torch.Generator().manual_seed(B * 7 + C + L)
+    cap = C + 2 * K
+    count = C - torch.randint(0, max(1, C // 4), (B,), generator=g)  # [B] valid columns per row
+    start = torch.full((B,), K) + (C - count)  # right-aligned at column C + K
+    delta = torch.randint(-K, K + 1, (B,), generator=g)
+    if B > 1:
+        delta[0] = 0  # one row stays (in EQSPEC the longest never moves)
+    elif int(delta[0]) == 0:
+        delta[0] = K // 2  # a lone row never needs realigning; move it anyway to have something to time
+    shapes = [(L, 8, 128), (max(1, L // 2), 8, 64)]
+    caches = [tuple(torch.empty(l, B, h, cap, d, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+              for l, h, d in shapes]
+    per_column = sum(2 * l * h * d * 2 for l, h, d in shapes)  # bytes of one column of one row, K + V, both caches
+    moved = int(count[delta != 0].sum())
+    everything = int(count.sum()) * per_column
+    return caches, start.to(DEVICE), count.to(DEVICE), delta.to(DEVICE), moved * per_column, everything
+
+
+def _realign_bytes(B, C, L):
+    cap = C + 2 * K
+    return B * cap * (2 * L * 8 * 128 * 2 + 2 * max(1, L // 2) * 8 * 64 * 2)
+
+
+@pytest.mark.parametrize("impl", REALIGN_IMPLS)
+@pytest.mark.parametrize("layers", LAYERS)
+@pytest.mark.parametrize("context", CONTEXTS)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_realign(benchmark, batch, context, layers, impl):
+    cache_bytes = _realign_bytes(batch, context, layers)
+    if not CUDA and cache_bytes * 1.5 + 2 * cache_bytes > CPU_MEMORY_LIMIT:
+        pytest.skip(f"needs ~{(cache_bytes * 3.5) / 2**30:.1f} GiB on CPU (> 2 GiB)")
+    if CUDA:
+        torch.cuda.empty_cache()  # earlier cases' blocks sit in torch's cache, not in mem_get_info's "free"
+        free, _ = torch.cuda.mem_get_info()
+        factor = {"reference": 6.0, "pingpong": 4.5}.get(impl, 3.5)  # int64 gather indices; second buffers
+        if cache_bytes * factor > 0.8 * free:
+            pytest.skip(f"needs ~{cache_bytes * factor / 2**30:.0f} GiB of GPU memory")
+    caches, start, count, delta, moved_bytes, all_bytes = _realign_case(batch, context, layers)
+    if impl == "kernel":
+        fn = lambda: rea.realign_triton(caches, start, count, delta)  # noqa: E731
+    elif impl == "wrapper":  # what the runtime pays: validation (host syncs) + kernel
+        fn = lambda: rea.realign(caches, start, count, delta, backend="triton")  # noqa: E731
+    elif impl == "pingpong":  # out of place into second buffers: every row is copied, delta = 0 included
+        out = [(torch.empty_like(k), torch.empty_like(v)) for k, v in caches]
+        fn = lambda: rea.realign_triton(caches, start, count, delta, out=out)  # noqa: E731
+        moved_bytes = all_bytes
+    else:
+        fn = lambda: rea.realign(caches, start, count, delta, backend="torch")  # noqa: E731
+    seconds = _run(benchmark, fn)
+    src = torch.empty(moved_bytes, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    copy_s = _time(lambda: dst.copy_(src))
+    del src, dst
+    benchmark.extra_info.update(
+        path="torch" if impl == "reference" else PATH, impl=impl, device=DEVICE, threads=torch.get_num_threads(),
+        batch=batch, context=context, layers=layers, cache_bytes=cache_bytes, payload_bytes=moved_bytes,
+        gbps=2 * moved_bytes / seconds / 1e9, copy_gbps=2 * moved_bytes / copy_s / 1e9,
+        copy_ms=copy_s * 1e3, fraction_of_copy=copy_s / seconds,
+    )
+
+
+def _rejection_case(B, k, V, mode):
+    g = torch.Generator().manual_seed(B + k + V)
+    target_probs = torch.softmax(torch.randn(B, k + 1, V, generator=g) * 3, -1).to(DEVICE)
+    draft_probs = torch.softmax(torch.randn(B, k, V, generator=g) * 3, -1).to(DEVICE)
+    draft_ids = torch.multinomial(draft_probs.reshape(-1, V).cpu(), 1, generator=g).reshape(B, k).to(DEVICE)
+    if mode == "greedy":
+        argmax = target_probs.argmax(-1)
+        return dict(draft_ids=torch.where(torch.rand(B, k, device=DEVICE) < 0.7, argmax[:, :k], draft_ids),
+                    target_argmax=argmax)
+    return dict(draft_ids=draft_ids, target_probs=target_probs, draft_probs=draft_probs,
+                is_greedy=torch.zeros(B, dtype=torch.bool, device=DEVICE),
+                uniforms=torch.rand(B, k, dtype=torch.float64, generator=g).to(DEVICE),
+                noise=torch.empty(B, V).exponential_(generator=g).to(DEVICE))
+
+
+@pytest.mark.parametrize("mode", REJ_MODES)
+@pytest.mark.parametrize("vocab", REJ_VOCAB)
+@pytest.mark.parametrize("k", REJ_K)
+@pytest.mark.parametrize("batch", REJ_BATCHES)
+def test_rejection(benchmark, batch, k, vocab, mode):
+    kw = _rejection_case(batch, k, vocab, mode)
+    backend = "triton" if CUDA else "torch"
+    fn = lambda: rej.rejection_sample(**kw, backend=backend)  # noqa: E731
+    seconds = _run(benchmark, fn)
+    read = batch * 3 * vocab * 4 if mode == "random" else 0  # p and q at the emitted slot, and the noise row
+    extra = dict(path=PATH, device=DEVICE, threads=torch.get_num_threads(), batch=batch, k=k, vocab=vocab, mode=mode,
+                 bytes_read=read, gbps=read / seconds / 1e9)
+    if CUDA:  # the torch reference on the same GPU, for comparison
+        ref_s = _time(lambda: rej.rejection_sample(**kw, backend="torch"))
+        extra.update(reference_ms=ref_s * 1e3, speedup_vs_reference=ref_s / seconds)
+    benchmark.extra_info.update(extra)
