@@ -166,7 +166,9 @@ def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: 
         ctx.metrics.draft_forwards += 1
     tokens = choose_tokens(ctx, requests, logits).tolist()
     for r, token in zip(requests, tokens):
-        ctx.metrics.generated_tokens += r.commit([token])
+        kept = r.commit([token])
+        ctx.metrics.generated_tokens += kept
+        ctx.metrics.prefill_tokens += kept
     return Batch(list(requests), target_cache, draft_cache)
 
 

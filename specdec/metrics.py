@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-PHASES = ("draft", "verify", "accept", "realign", "other")
+PHASES = ("prefill", "draft", "verify", "accept", "realign", "other")
 
 
 @dataclass
@@ -17,6 +17,7 @@ class RunMetrics:
     batch_size: int
     num_requests: int = 0
     generated_tokens: int = 0
+    prefill_tokens: int = 0  # first tokens, emitted by the prefill rather than by a decoding step
     wall_time_s: float = 0.0
     proposed_drafts: int = 0
     accepted_drafts: int = 0
@@ -39,12 +40,13 @@ class RunMetrics:
 
     @property
     def mean_tokens_per_step(self) -> float:
-        """Tokens a row gains per target forward: 1 for AR, 1 + accepted drafts for speculation."""
-        return self.generated_tokens / self.row_steps if self.row_steps else 0.0
+        """Tokens a row gains per decoding step: 1 for AR, 1 + accepted drafts for speculation."""
+        return (self.generated_tokens - self.prefill_tokens) / self.row_steps if self.row_steps else 0.0
 
     @property
     def realign_share(self) -> float:
-        total = sum(self.phase_time_s.values())
+        """Realignment's share of decoding-step time (prefill excluded)."""
+        total = sum(t for phase, t in self.phase_time_s.items() if phase != "prefill")
         return self.phase_time_s["realign"] / total if total else 0.0
 
     @property

@@ -9,12 +9,12 @@ from ..invariants import check_invariants
 
 
 def admit(ctx: DecodeContext, queue: deque, n: int, capacity: int, progress) -> Batch | None:
-    """Prefill up to n live requests from the queue (a request may finish at its first token)."""
+    """Prefill up to n live requests from the queue (a request may finish at its first token). The caller
+    times it (phase "prefill")."""
     while queue:
         chunk = [queue.popleft() for _ in range(min(n, len(queue)))]
         cap = capacity or max(len(r.prompt_ids) for r in chunk)
-        with ctx.timer.phase("other"):
-            batch = prefill(ctx, chunk, "ragged", cap)
+        batch = prefill(ctx, chunk, "ragged", cap)
         done = sum(r.finished for r in chunk)
         if done:
             progress(done)
@@ -27,18 +27,20 @@ def admit(ctx: DecodeContext, queue: deque, n: int, capacity: int, progress) -> 
 def run_continuous(ctx: DecodeContext, requests, batch_size: int, step, progress) -> None:
     """Run `step(ctx, batch)` until every request has finished, refilling free rows from the queue."""
     queue = deque(requests)
-    batch = admit(ctx, queue, batch_size, required_capacity(requests, ctx.num_speculative_tokens), progress)
+    with ctx.timer.phase("prefill"):
+        batch = admit(ctx, queue, batch_size, required_capacity(requests, ctx.num_speculative_tokens), progress)
     while batch is not None and len(batch):
         step(ctx, batch)
         free = [i for i, r in enumerate(batch.requests) if r.finished]
         progress(len(free))
-        with ctx.timer.phase("other"):
+        with ctx.timer.phase("prefill"):
             while free and queue:
                 fresh = admit(ctx, queue, len(free), 0, progress)
                 if fresh is None:
                     break
                 batch.load(free[: len(fresh)], fresh)
                 free = free[len(fresh):]
+        with ctx.timer.phase("other"):
             if free:
                 batch.drop_finished()
         if ctx.check_invariants and len(batch):

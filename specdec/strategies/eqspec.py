@@ -12,7 +12,7 @@ USES_DRAFT = True
 def run(ctx: DecodeContext, requests, batch_size: int, progress, **_) -> None:
     for first in range(0, len(requests), batch_size):
         chunk = requests[first: first + batch_size]
-        with ctx.timer.phase("other"):
+        with ctx.timer.phase("prefill"):
             batch = prefill(ctx, chunk, "left", required_capacity(chunk, ctx.num_speculative_tokens))
             kept = len(batch.drop_finished())
         progress(len(chunk) - kept)

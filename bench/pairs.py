@@ -1,0 +1,254 @@
+"""Benchmark model pairs: a synthetic target/draft pair whose *cost* resembles a 7B target with a 68M draft.
+
+On the CPU a tiny target makes speculation slower than plain batched AR (a draft forward costs about as
+much as a target forward: both are dominated by per-call overhead). The synthetic pair fixes that:
+
+- target: a deep random Llama (default hidden 768, 16 layers, 12 heads, 4 KV heads, intermediate 2048,
+  vocab 8000: ~113M parameters), initialised with a larger std than HF's default (0.02) so that its logits
+  are peaked, then with the output projections (`o_proj`, `down_proj`) of every layer above the draft's
+  layers scaled by `damping`: the upper layers only nudge the residual stream;
+- draft: the target's own embedding + first `draft_layers` layer(s) + final norm + head, saved as a real
+  HF checkpoint directory (`num_hidden_layers = draft_layers`, the same weight values).
+
+So the target still pays for every layer, the draft costs a small fraction of it, and the two disagree
+just often enough: `damping` sets the greedy acceptance (default tuned for ~60-80% at k = 5, float32).
+
+Built with `transformers` (LlamaConfig + LlamaForCausalLM + save_pretrained), a bench/test-only
+dependency; where it is not installed (e.g. a bare GPU machine) the same recipe is written by hand with
+torch + safetensors. Reused from its cache folder when `pair.json` there records the same recipe.
+
+    python bench/pairs.py --out bench/results/pair          # build (or reuse) and print the recipe
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+DEFAULT_PAIR_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pair")
+
+
+@dataclass(frozen=True)
+class SyntheticPairSpec:
+    hidden_size: int = 768
+    num_hidden_layers: int = 16
+    num_attention_heads: int = 12
+    num_key_value_heads: int = 4
+    intermediate_size: int = 2048
+    vocab_size: int = 8000
+    max_position_embeddings: int = 4096
+    draft_layers: int = 1  # the draft keeps the target's first `draft_layers` layers
+    init_std: float = 0.06  # HF's default initializer_range is 0.02: larger gives peaked logits
+    damping: float = 0.012  # scale of o_proj / down_proj in the layers the draft lacks
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> "SyntheticPairSpec":
+        """A tiny pair for smoke tests (same recipe, seconds to build)."""
+        return cls(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=256, vocab_size=1000)
+
+
+def _llama_config(spec: SyntheticPairSpec, num_layers: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=spec.hidden_size, num_hidden_layers=num_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, intermediate_size=spec.intermediate_size,
+        vocab_size=spec.vocab_size, max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.init_std, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, architectures=["LlamaForCausalLM"])
+
+
+def _have_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _damp(layers, spec: SyntheticPairSpec) -> None:
+    with torch.no_grad():
+        for layer in layers[spec.draft_layers:]:
+            layer.self_attn.o_proj.weight.mul_(spec.damping)
+            layer.mlp.down_proj.weight.mul_(spec.damping)
+
+
+def _build_with_transformers(spec: SyntheticPairSpec, target_dir: str, draft_dir: str) -> tuple[int, int]:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(spec.seed)
+    target = LlamaForCausalLM(_llama_config(spec, spec.num_hidden_layers)).float().eval()
+    _damp(target.model.layers, spec)
+    draft = LlamaForCausalLM(_llama_config(spec, spec.draft_layers)).float().eval()
+    draft.load_state_dict({k: v for k, v in target.state_dict().items() if k in draft.state_dict()}, strict=True)
+    target.save_pretrained(target_dir, safe_serialization=True)
+    draft.save_pretrained(draft_dir, safe_serialization=True)
+    return sum(p.numel() for p in target.parameters()), sum(p.numel() for p in draft.parameters())
+
+
+def _build_without_transformers(spec: SyntheticPairSpec, target_dir: str, draft_dir: str) -> tuple[int, int]:
+    """The same recipe written by hand (HF key names, config.json, safetensors), for machines without
+    transformers (e.g. the GPU check): N(0, init_std) linears and embedding, unit norms. Same distribution
+    as the transformers build, not the same numbers."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(spec.seed)
+    E, I, V = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    D = E // spec.num_attention_heads
+    Hq, Hkv = spec.num_attention_heads * D, spec.num_key_value_heads * D
+    normal = lambda *shape: torch.randn(*shape, generator=g) * spec.init_std  # noqa: E731
+    state = {"model.embed_tokens.weight": normal(V, E)}
+    for i in range(spec.num_hidden_layers):
+        damp = 1.0 if i < spec.draft_layers else spec.damping
+        p = f"model.layers.{i}."
+        state.update({
+            p + "self_attn.q_proj.weight": normal(Hq, E), p + "self_attn.k_proj.weight": normal(Hkv, E),
+            p + "self_attn.v_proj.weight": normal(Hkv, E), p + "self_attn.o_proj.weight": normal(E, Hq) * damp,
+            p + "mlp.gate_proj.weight": normal(I, E), p + "mlp.up_proj.weight": normal(I, E),
+            p + "mlp.down_proj.weight": normal(E, I) * damp,
+            p + "input_layernorm.weight": torch.ones(E), p + "post_attention_layernorm.weight": torch.ones(E)})
+    state["model.norm.weight"] = torch.ones(E)
+    state["lm_head.weight"] = normal(V, E)
+
+    def write(path, num_layers):
+        os.makedirs(path, exist_ok=True)
+        keep = {k: v.contiguous() for k, v in state.items()
+                if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+        save_file(keep, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": E,
+                  "intermediate_size": I, "num_hidden_layers": num_layers,
+                  "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_key_value_heads,
+                  "head_dim": D, "vocab_size": V, "max_position_embeddings": spec.max_position_embeddings,
+                  "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+                  "attention_bias": False, "mlp_bias": False, "initializer_range": spec.init_std,
+                  "torch_dtype": "float32", "bos_token_id": None, "eos_token_id": None}
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        return sum(v.numel() for v in keep.values())
+
+    return write(target_dir, spec.num_hidden_layers), write(draft_dir, spec.draft_layers)
+
+
+def build_synthetic_pair(out_dir: str, spec: SyntheticPairSpec = SyntheticPairSpec(), force: bool = False,
+                         verbose: bool = True) -> tuple[str, str]:
+    """Write (or reuse) `out_dir/target` and `out_dir/draft`; returns their paths.
+
+    Built with transformers when it is installed, else by hand (same recipe and key names)."""
+    target_dir, draft_dir = os.path.join(out_dir, "target"), os.path.join(out_dir, "draft")
+    recipe_path = os.path.join(out_dir, "pair.json")
+    recipe = {"kind": "synthetic-damped-llama", "spec": asdict(spec)}
+    if not force and os.path.exists(recipe_path):
+        with open(recipe_path) as f:
+            old = json.load(f)
+        if old.get("kind") == recipe["kind"] and old.get("spec") == recipe["spec"] and all(
+                os.path.exists(os.path.join(d, "model.safetensors")) for d in (target_dir, draft_dir)):
+            if verbose:
+                print(f"[pairs] reusing synthetic pair in {out_dir}", file=sys.stderr, flush=True)
+            return target_dir, draft_dir
+
+    t0 = time.perf_counter()
+    os.makedirs(out_dir, exist_ok=True)
+    use_hf = _have_transformers()
+    build = _build_with_transformers if use_hf else _build_without_transformers
+    n_target, n_draft = build(spec, target_dir, draft_dir)
+    recipe.update(builder="transformers" if use_hf else "torch+safetensors", target_params=n_target,
+                  draft_params=n_draft)
+    with open(recipe_path, "w") as f:
+        json.dump(recipe, f, indent=2)
+    if verbose:
+        print(f"[pairs] built synthetic pair in {out_dir} with {recipe['builder']} "
+              f"({time.perf_counter() - t0:.1f}s): target {n_target / 1e6:.1f}M params, "
+              f"draft {n_draft / 1e6:.1f}M params", file=sys.stderr, flush=True)
+    return target_dir, draft_dir
+
+
+def pair_description(target_dir: str, draft_dir: str) -> dict:
+    """Size of each model of a pair, from its config.json (and the synthetic recipe when there is one)."""
+    def describe(path):
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        return {"path": os.path.abspath(path), "architectures": cfg.get("architectures"),
+                "hidden_size": cfg.get("hidden_size"), "num_hidden_layers": cfg.get("num_hidden_layers"),
+                "vocab_size": cfg.get("vocab_size")}
+
+    out = {"target": describe(target_dir), "draft": describe(draft_dir)}
+    recipe = os.path.join(os.path.dirname(os.path.abspath(target_dir)), "pair.json")
+    if os.path.exists(recipe):
+        with open(recipe) as f:
+            out["recipe"] = json.load(f)
+    return out
+
+
+@torch.inference_mode()
+def time_forward(model, batch_size: int = 8, prefix: int = 64, new_tokens: int = 1, repeats: int = 20,
+                 seed: int = 0) -> float:
+    """Median seconds of one decode forward of `new_tokens` tokens per row on top of a `prefix`-token
+    cache (ragged layout; the cache length is put back after each step so every step sees the same prefix)."""
+    device = model.device
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.vocab_size, (batch_size, prefix + new_tokens), generator=g).to(device)
+    cache = model.new_cache(batch_size, prefix + new_tokens + 1, "ragged")
+    cache.set_prefill(torch.full((batch_size,), prefix, dtype=torch.int64, device=device), prefix)
+    model.forward(ids[:, :prefix], cache, logits="last")
+    length = cache.length.clone()
+    cuda = device.type == "cuda"
+    times = []
+    for _ in range(repeats + 2):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.forward(ids[:, prefix:], cache)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        cache.length = length.clone()
+    times = sorted(times[2:])  # the first two are warm-up
+    return times[len(times) // 2]
+
+
+def cost_ratio(target, draft, batch_size: int = 8, repeats: int = 20) -> dict:
+    """Time of one target forward vs one draft forward (batch `batch_size`, 1 new token), measured
+    interleaved in rounds so that machine load hits both alike."""
+    t_times, d_times = [], []
+    rounds = max(1, repeats // 5)
+    for _ in range(rounds):
+        t_times.append(time_forward(target, batch_size, repeats=5))
+        d_times.append(time_forward(draft, batch_size, repeats=5))
+    t, d = sorted(t_times)[len(t_times) // 2], sorted(d_times)[len(d_times) // 2]
+    return {"batch_size": batch_size, "target_forward_s": t, "draft_forward_s": d, "ratio": t / d if d else 0.0}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Build (or reuse) the synthetic benchmark pair and print its "
+                                            "recipe and target/draft cost ratio.")
+    p.add_argument("--out", default=DEFAULT_PAIR_DIR, help="folder for target/ draft/ and pair.json")
+    p.add_argument("--quick", action="store_true", help="tiny pair for smoke tests")
+    p.add_argument("--damping", type=float, default=None, help="override the upper-layer output damping")
+    p.add_argument("--init-std", type=float, default=None, help="override the init std")
+    p.add_argument("--draft-layers", type=int, default=None, help="override the number of draft layers")
+    p.add_argument("--force", action="store_true", help="rebuild even when a matching pair is cached")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the cost measurement")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = SyntheticPairSpec.quick() if args.quick else SyntheticPairSpec()
+    over = {k: v for k, v in (("damping", args.damping), ("init_std", args.init_std),
+                              ("draft_layers", args.draft_layers)) if v is not None}
+    if over:
+        spec = SyntheticPairSpec(**{**asdict(spec), **over})
+    target_dir, draft_dir = build_synthetic_pair(args.out, spec, force=args.force)
+    from specdec.models import load_model
+
+    ratio = cost_ratio(load_model(target_dir), load_model(draft_dir))
+    print(json.dumps({**pair_description(target_dir, draft_dir), "cost": ratio}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

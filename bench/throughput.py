@@ -1,0 +1,582 @@
+"""End-to-end throughput: every decoding method x every batch size, on one target/draft pair, side by side.
+
+For each batch size B (in order) every method runs the same prompt set with greedy decoding,
+`ignore_eos=True` and a fixed number of new tokens, so all methods generate the same number of tokens and
+their tokens/s compare directly. Methods run back to back inside one batch size (AR first), which keeps
+the comparisons that matter -- speculation vs AR at the same B -- measured side by side under the same
+machine load. Reported per (method, B):
+
+- tokens/s; speedup over AR at batch 1 and over AR at the same batch size;
+- acceptance rate (accepted / proposed drafts), mean tokens per row per target forward;
+- realign share (realign time / step time), grouping rate (EXSPEC: steps that needed no realignment);
+- p50/p95/p99 request latency (all prompts are submitted at t = 0, so it includes queueing);
+- greedy equivalence vs AR at the same batch size: the fraction of requests whose token ids equal AR's
+  (in float32 near-tied logits may flip between the k+1-token verify pass and the 1-token AR pass; in
+  float64 it should be 1.0);
+- the pair's target/draft cost ratio: one target forward vs one draft forward, batch 8, 1 new token,
+  measured before and after the sweep.
+
+Without --target/--draft the synthetic pair of bench/pairs.py is built (or reused) in --pair-dir: a
+~113M-parameter, 16-layer random Llama whose upper layers are damped, and as the draft its own first layer
+(see bench/pairs.py). Without --prompts the built-in prompt set is random token ids of lengths 8-64 (or
+the held-out text prompts of specdec/assets/prompts.txt when the target has a tokenizer).
+
+Outputs in --out (file names carry the prompt-length mode, `random` or `equal`):
+throughput-<mode>.csv / .jsonl / .md, throughput-<mode>.png (tokens/s vs B), realign-<mode>.png; the
+markdown table is also printed to stdout, progress bars go to stderr.
+
+    python bench/throughput.py                                   # defaults (long on a small CPU)
+    python bench/throughput.py --threads 1 --batch-sizes 1,4,16 --num-prompts 16
+    python bench/throughput.py --equal-length                    # same prompt length: EXSPEC's best case
+    python bench/throughput.py --prompts /work/shared/data/spec_bench/question.jsonl --target T --draft D
+    python bench/throughput.py --quick                           # smoke test: tiny pair, 2 batch sizes
+"""
+from __future__ import annotations
+
+import os
+
+# Small per-token forwards on a shared, oversubscribed CPU are far slower with OpenMP's spin-waiting.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import random  # noqa: E402
+import shlex  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pairs import DEFAULT_PAIR_DIR, SyntheticPairSpec, build_synthetic_pair, cost_ratio, pair_description  # noqa: E402
+
+from specdec import LLM, SamplingParams  # noqa: E402
+from specdec.models import load_tokenizer  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(REPO, "bench", "results", "throughput")
+BUILTIN_TEXT_PROMPTS = os.path.join(REPO, "specdec", "assets", "prompts.txt")
+DEFAULT_METHODS = "ar,eqspec,ragged,exspec"
+DEFAULT_BATCH_SIZES = "1,2,4,8,16"
+QUICK = dict(batch_sizes="1,4", num_prompts=4, max_tokens=32)
+COLORS = {"ar": "C0", "eqspec": "C1", "ragged": "C2", "exspec": "C3"}  # one colour per method in every plot
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows '(default: X)' only where there is a plain default (None/False ones are explained in the text)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Throughput of every decoding method (ar, eqspec, ragged, exspec) at every batch size on "
+                    "one target/draft pair, greedy, ignore_eos, methods side by side per batch size. Writes "
+                    "CSV, JSONL, a markdown table and PNG plots to --out; prints the table.",
+        formatter_class=_HelpFormatter)
+    g = p.add_argument_group("models")
+    g.add_argument("--target", default=None,
+                   help="target checkpoint directory (HF format). Default: the synthetic pair (see --pair)")
+    g.add_argument("--draft", default=None, help="draft checkpoint directory (required with --target)")
+    g.add_argument("--pair", choices=("synthetic", "tiny"), default=None,
+                   help="which built-in pair to use without --target/--draft: 'synthetic' (~113M-param "
+                        "16-layer damped random Llama + its own first layer as draft, bench/pairs.py) or "
+                        "'tiny' (same recipe, toy size, for smoke tests). Default: synthetic, tiny with --quick")
+    g.add_argument("--pair-dir", default=None,
+                   help="cache folder of the built-in pair (built once, reused while its recipe matches). "
+                        f"Default: {os.path.relpath(DEFAULT_PAIR_DIR, REPO)} (suffix -tiny for the tiny pair)")
+    g.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"),
+                   help="model dtype (equivalence vs AR is exact only in float64)")
+    g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op CPU threads (torch.set_num_threads); default: torch's choice. "
+                        "Use 1 on a busy machine")
+
+    g = p.add_argument_group("sweep")
+    g.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma-separated methods; 'ar' is the baseline and always runs first at each batch size "
+                        "when listed. A method that raises NotImplementedError is skipped with a note")
+    g.add_argument("--batch-sizes", default=None,
+                   help=f"comma-separated batch sizes (default {DEFAULT_BATCH_SIZES}; {QUICK['batch_sizes']} "
+                        f"with --quick)")
+    g.add_argument("--with-32", action="store_true", help="also run batch size 32 (needs >= 32 prompts to fill it)")
+    g.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per step (k)")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="new tokens per request (default 128; 32 with --quick)")
+    g.add_argument("--window-size", type=int, default=48,
+                   help="EXSPEC pool size (raised to the batch size where smaller)")
+    g.add_argument("--repeats", type=int, default=1,
+                   help="run the whole sweep this many times (interleaved); each cell reports the run with the "
+                        "median tokens/s (the upper median for an even count: the faster of 2), all runs' "
+                        "tokens/s are kept in the JSONL")
+    g.add_argument("--no-warmup", action="store_true",
+                   help="skip the short untimed warm-up generation of each method before the sweep")
+
+    g = p.add_argument_group("prompts")
+    g.add_argument("--prompts", default=None,
+                   help="prompt file: a SpecBench-style .jsonl (first element of 'turns', or a 'prompt'/'text' "
+                        "field) or a .txt with one prompt per line (lines starting with '#' are skipped, the two "
+                        "characters \\n stand for a newline). Prompts are taken evenly spaced across the file. "
+                        "Text is tokenized with the target's tokenizer, or as UTF-8 bytes (id = byte + 3) when "
+                        "it has none. Default: built-in prompts (random ids of lengths 8-64 for a pair without "
+                        "tokenizer, specdec/assets/prompts.txt otherwise)")
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per (method, batch size) run (default: the largest batch size, i.e. 16 or 32; "
+                        "4 with --quick)")
+    g.add_argument("--equal-length", action="store_true",
+                   help="give every prompt the same token length (--prompt-len): longer ones truncated, shorter "
+                        "ones padded by repeating their own tokens. Default: random (natural) lengths")
+    g.add_argument("--prompt-len", type=int, default=None,
+                   help="the common length for --equal-length (default: the median prompt length)")
+    g.add_argument("--min-prompt-len", type=int, default=8, help="shortest built-in random-id prompt")
+    g.add_argument("--max-prompt-len", type=int, default=64, help="longest built-in random-id prompt")
+    g.add_argument("--max-prompt-tokens", type=int, default=256,
+                   help="truncate longer prompts (from files) to this many tokens")
+    g.add_argument("--seed", type=int, default=0, help="seed of the built-in random prompts")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default=DEFAULT_OUT, help="output folder")
+    g.add_argument("--cost-repeats", type=int, default=20,
+                   help="forwards timed per model for the target/draft cost ratio")
+    g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    g.add_argument("--replot", default=None, metavar="JSONL",
+                   help="run nothing: re-render the markdown table and plots of an earlier run from its "
+                        "throughput-<mode>.jsonl (into --out if given, else next to the file)")
+    g.add_argument("--quick", action="store_true",
+                   help=f"tiny smoke run (CI / GPU script): tiny pair unless --target/--pair given, batch sizes "
+                        f"{QUICK['batch_sizes']}, {QUICK['num_prompts']} prompts, {QUICK['max_tokens']} tokens "
+                        f"(explicit flags still win)")
+    args = p.parse_args(argv)
+    args.out_given = any(a == "--out" or a.startswith("--out=") for a in (sys.argv[1:] if argv is None else argv))
+
+    if (args.target is None) != (args.draft is None):
+        p.error("--target and --draft go together")
+    if args.batch_sizes is None:
+        args.batch_sizes = QUICK["batch_sizes"] if args.quick else DEFAULT_BATCH_SIZES
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    if args.with_32 and 32 not in args.batch_sizes:
+        args.batch_sizes.append(32)
+    args.batch_sizes = sorted(set(args.batch_sizes))
+    if not args.batch_sizes or min(args.batch_sizes) < 1:
+        p.error("--batch-sizes must be positive integers")
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    from specdec import METHODS
+
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        p.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+    if "ar" in args.methods:  # the baseline first, so every later method compares against it
+        args.methods = ["ar"] + [m for m in args.methods if m != "ar"]
+    if args.max_tokens is None:
+        args.max_tokens = QUICK["max_tokens"] if args.quick else 128
+    if args.num_prompts is None:
+        args.num_prompts = QUICK["num_prompts"] if args.quick else max(args.batch_sizes)
+    if args.pair is None:
+        args.pair = "tiny" if args.quick else "synthetic"
+    if args.pair_dir is None:
+        args.pair_dir = DEFAULT_PAIR_DIR + ("-tiny" if args.pair == "tiny" else "")
+    if args.repeats < 1 or args.num_prompts < 1 or args.max_tokens < 1:
+        p.error("--repeats, --num-prompts and --max-tokens must be >= 1")
+    if not args.replot and max(args.batch_sizes) > args.num_prompts:
+        print(f"[throughput] warning: batch size {max(args.batch_sizes)} > --num-prompts {args.num_prompts}: "
+              f"those batches never fill", file=sys.stderr)
+    return args
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+def read_prompt_file(path: str) -> list[str]:
+    texts = []
+    if path.endswith(".jsonl") or path.endswith(".json"):
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                rec = json.loads(line)
+                if "turns" in rec:
+                    texts.append(rec["turns"][0])
+                else:
+                    texts.append(rec.get("prompt", rec.get("text")))
+    else:
+        with open(path) as f:
+            for line in f:
+                line = line.rstrip("\n")
+                if line.strip() and not line.startswith("#"):
+                    texts.append(line.replace("\\n", "\n"))
+    texts = [t for t in texts if t]
+    if not texts:
+        raise SystemExit(f"{path}: no prompts found")
+    return texts
+
+
+def evenly_spaced(items: list, n: int) -> list:
+    """n items spread over the list (cycling when it has fewer than n)."""
+    if n <= len(items):
+        return [items[(i * len(items)) // n] for i in range(n)]
+    return [items[i % len(items)] for i in range(n)]
+
+
+def build_prompts(args, tokenizer, vocab_size: int) -> tuple[list[list[int]], str]:
+    """Token-id prompts and a one-line description of the prompt set."""
+    rng = random.Random(args.seed)
+    if args.prompts is None and tokenizer is None:
+        ids = [[rng.randrange(3, vocab_size) for _ in range(rng.randint(args.min_prompt_len, args.max_prompt_len))]
+               for _ in range(args.num_prompts)]
+        source = f"built-in: {args.num_prompts} random-id prompts, lengths {args.min_prompt_len}-{args.max_prompt_len}"
+    else:
+        path = args.prompts or BUILTIN_TEXT_PROMPTS
+        texts = evenly_spaced(read_prompt_file(path), args.num_prompts)
+        if tokenizer is not None:
+            ids = [tokenizer.encode(t) for t in texts]
+            how = "target tokenizer"
+        else:
+            ids = [[(b + 3) % vocab_size for b in t.encode("utf-8")] for t in texts]
+            how = "UTF-8 bytes (no tokenizer)"
+        ids = [x[: args.max_prompt_tokens] for x in ids]
+        source = f"{os.path.relpath(path, REPO) if path.startswith(REPO) else path}: {args.num_prompts} prompts, {how}"
+    if args.equal_length:
+        L = args.prompt_len or int(statistics.median(len(x) for x in ids))
+        ids = [(x * (L // len(x) + 1))[:L] for x in ids]
+        source += f"; equal length {L} (truncated / padded by repetition)"
+    lengths = [len(x) for x in ids]
+    source += f"; token lengths min {min(lengths)} / median {int(statistics.median(lengths))} / max {max(lengths)}"
+    return ids, source
+
+
+# ---------------------------------------------------------------------------------------------- running
+def make_llm(models, method: str, batch_size: int, args) -> LLM:
+    return LLM(target=models["target"], draft=models["draft"], method=method,
+               num_speculative_tokens=args.num_speculative_tokens, batch_size=batch_size, dtype=args.dtype,
+               device=args.device, window_size=max(args.window_size, batch_size), tokenizer=models["tokenizer"])
+
+
+def run_one(models, method: str, batch_size: int, prompts, args, use_tqdm=True):
+    """(outputs, None) or (None, note) when the method is not implemented / failed."""
+    try:
+        llm = make_llm(models, method, batch_size, args)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        return llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=use_tqdm), None
+    except NotImplementedError as e:
+        return None, f"skipped: not implemented ({e})"
+    except Exception as e:  # keep the sweep going; the traceback goes to stderr
+        traceback.print_exc()
+        return None, f"error: {type(e).__name__}: {e}"
+
+
+def record(method, batch_size, outs, note, runs_tps):
+    rec = {"method": method, "batch_size": batch_size, "status": note or "ok"}
+    if outs is None:
+        return rec
+    m = outs.metrics
+    d = m.as_dict()
+    rec.update({
+        "tokens_per_s": m.tokens_per_s, "tokens_per_s_runs": runs_tps, "acceptance_rate": m.acceptance_rate,
+        "mean_tokens_per_step": m.mean_tokens_per_step, "realign_share": m.realign_share,
+        "grouping_rate": m.grouping_rate, "latency_s": m.latency_percentiles("latency"),
+        "ttft_s": m.latency_percentiles("ttft"), "wall_time_s": m.wall_time_s,
+        "generated_tokens": m.generated_tokens, "num_requests": m.num_requests, "steps": m.steps,
+        "target_forwards": m.target_forwards, "draft_forwards": m.draft_forwards,
+        "phase_time_s": d["phase_time_s"],
+    })
+    return rec
+
+
+def load_pair(args):
+    if args.target is None:
+        spec = SyntheticPairSpec.quick() if args.pair == "tiny" else SyntheticPairSpec()
+        args.target, args.draft = build_synthetic_pair(args.pair_dir, spec)
+    # one path-based LLM validates the pair (shared vocabulary/tokenizer); every run reuses its model objects
+    probe = LLM(target=args.target, draft=args.draft, method="eqspec", num_speculative_tokens=1, batch_size=1,
+                dtype=args.dtype, device=args.device)
+    tokenizer = probe.tokenizer
+    if tokenizer is None and any(os.path.exists(os.path.join(args.target, f))
+                                 for f in ("tokenizer.model", "tokenizer.json")):
+        tokenizer = load_tokenizer(args.target)
+    return {"target": probe.target, "draft": probe.draft, "tokenizer": tokenizer, "vocab_size": probe.vocab_size}
+
+
+def sweep(models, prompts, args):
+    """Run every (method, batch size) `repeats` times; returns {(method, B): [(outs, note), ...]}."""
+    from tqdm import tqdm
+
+    runs: dict = {}
+    total = args.repeats * len(args.batch_sizes) * len(args.methods)
+    outer = tqdm(total=total, desc="sweep", unit="run", position=0, dynamic_ncols=True, file=sys.stderr)
+    skipped: dict = {}  # method -> (None, note) once it raised NotImplementedError
+    for _ in range(args.repeats):
+        for B in args.batch_sizes:
+            for method in args.methods:
+                outer.set_postfix_str(f"{method} B={B}")
+                if method in skipped:
+                    runs.setdefault((method, B), []).append(skipped[method])
+                else:
+                    outs, note = run_one(models, method, B, prompts, args)
+                    if note and note.startswith("skipped"):
+                        skipped[method] = (None, note)
+                        tqdm.write(f"[throughput] {method}: {note}", file=sys.stderr)
+                    runs.setdefault((method, B), []).append((outs, note))
+                outer.update(1)
+    outer.close()
+    return runs
+
+
+def summarise(runs, args, cost) -> list[dict]:
+    rows = []
+    for B in args.batch_sizes:
+        for method in args.methods:
+            ok = [(o, n) for o, n in runs[(method, B)] if o is not None]
+            if not ok:
+                rows.append(record(method, B, None, runs[(method, B)][0][1], []))
+                continue
+            tps = [o.metrics.tokens_per_s for o, _ in ok]
+            median_run = sorted(ok, key=lambda r: r[0].metrics.tokens_per_s)[len(ok) // 2]
+            rows.append(record(method, B, median_run[0], None, tps))
+            rows[-1]["_outs"] = median_run[0]
+    by = {(r["method"], r["batch_size"]): r for r in rows}
+    ar1 = by.get(("ar", 1))
+    for r in rows:
+        r["cost_ratio"] = cost["ratio"]
+        if r["status"] != "ok":
+            continue
+        ar_b = by.get(("ar", r["batch_size"]))
+        r["speedup_vs_ar_b1"] = (r["tokens_per_s"] / ar1["tokens_per_s"]
+                                 if ar1 and ar1["status"] == "ok" else None)
+        r["speedup_vs_ar_same_b"] = (r["tokens_per_s"] / ar_b["tokens_per_s"]
+                                     if ar_b and ar_b["status"] == "ok" else None)
+        if ar_b and ar_b["status"] == "ok":
+            ref = [o.token_ids for o in ar_b["_outs"]]
+            mine = [o.token_ids for o in r["_outs"]]
+            r["equivalence_vs_ar"] = sum(a == b for a, b in zip(mine, ref)) / len(ref)
+        else:
+            r["equivalence_vs_ar"] = None
+    for r in rows:
+        r.pop("_outs", None)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- reporting
+def fmt(x, spec="{:.2f}", none="–"):
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return none
+    return spec.format(x)
+
+
+def markdown_table(rows, spec_methods=("eqspec", "ragged", "exspec")) -> str:
+    head = ("| method | B | tokens/s | × AR@1 | × AR@B | acceptance | tokens/step | realign share | grouping | "
+            "latency p50 / p95 / p99 (s) | equiv. vs AR@B |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['method']} | {r['batch_size']} | {r['status']} |" + " |" * 8)
+            continue
+        spec = r["method"] in spec_methods
+        lat = r["latency_s"]
+        lines.append(
+            f"| {r['method']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar_b1'])} | "
+            f"{fmt(r['speedup_vs_ar_same_b'])} | {fmt(r['acceptance_rate'], '{:.1%}') if spec else '–'} | "
+            f"{r['mean_tokens_per_step']:.2f} | {fmt(r['realign_share'], '{:.1%}') if spec else '–'} | "
+            f"{fmt(r['grouping_rate'], '{:.1%}') if r['method'] == 'exspec' else '–'} | "
+            f"{lat['p50']:.1f} / {lat['p95']:.1f} / {lat['p99']:.1f} | {fmt(r['equivalence_vs_ar'], '{:.0%}')} |")
+    return "\n".join(lines)
+
+
+def plot(rows, args, tag: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    methods = [m for m in args.methods if any(r["method"] == m and r["status"] == "ok" for r in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for m in methods:
+        pts = [(r["batch_size"], r["tokens_per_s"], r.get("speedup_vs_ar_same_b")) for r in rows
+               if r["method"] == m and r["status"] == "ok"]
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m, color=COLORS.get(m))
+        axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=m, color=COLORS.get(m))
+    axes[0].set_ylabel("tokens/s")
+    axes[1].set_ylabel("speedup over AR at the same B")
+    axes[1].axhline(1.0, color="gray", lw=0.8, ls="--")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(args.batch_sizes, [str(b) for b in args.batch_sizes])
+        ax.set_xlabel("batch size")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"throughput ({tag}-length prompts, k={args.num_speculative_tokens}, {args.max_tokens} tokens, "
+                 f"{args.dtype}, {args.device})", fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(args.out, f"throughput-{tag}.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    paths.append(path)
+
+    spec = [m for m in methods if m != "ar"]
+    if spec:
+        fig, ax = plt.subplots(figsize=(5.5, 3.5))
+        width = 0.8 / len(spec)
+        xs = range(len(args.batch_sizes))
+        for j, m in enumerate(spec):
+            share = {r["batch_size"]: r["realign_share"] for r in rows if r["method"] == m and r["status"] == "ok"}
+            values = [100 * share.get(b, 0.0) for b in args.batch_sizes]
+            bars = ax.bar([x + j * width for x in xs], values, width, label=m, color=COLORS.get(m))
+            ax.bar_label(bars, [f"{v:.1f}" for v in values], fontsize=7)
+        ax.set_xticks([x + width * (len(spec) - 1) / 2 for x in xs], [str(b) for b in args.batch_sizes])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("realign share of step time (%)")
+        ax.set_title(f"realign share ({tag}-length prompts)", fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend()
+        fig.tight_layout()
+        path = os.path.join(args.out, f"realign-{tag}.png")
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+CSV_FIELDS = ["method", "batch_size", "status", "tokens_per_s", "speedup_vs_ar_b1", "speedup_vs_ar_same_b",
+              "acceptance_rate", "mean_tokens_per_step", "realign_share", "grouping_rate", "latency_p50_s",
+              "latency_p95_s", "latency_p99_s", "ttft_p50_s", "equivalence_vs_ar", "wall_time_s", "generated_tokens",
+              "num_requests", "steps", "target_forwards", "draft_forwards", "draft_s", "verify_s", "accept_s",
+              "realign_s", "other_s", "cost_ratio", "lengths", "k", "max_tokens", "dtype", "device", "threads"]
+
+
+def write_outputs(rows, meta, args, tag):
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"throughput-{tag}")
+    with open(base + ".jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps({**r, "meta": meta}) + "\n")
+    with open(base + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            flat = dict(r)
+            for key, src in (("latency", "latency_s"), ("ttft", "ttft_s")):
+                for q, v in (r.get(src) or {}).items():
+                    flat[f"{key}_{q}_s"] = v
+            for ph, v in (r.get("phase_time_s") or {}).items():
+                flat[f"{ph}_s"] = v
+            flat.update(lengths=tag, k=args.num_speculative_tokens, max_tokens=args.max_tokens, dtype=args.dtype,
+                        device=args.device, threads=meta["threads"])
+            w.writerow(flat)
+    return base
+
+
+def header(meta) -> str:
+    c0, c1 = meta["cost_before"], meta["cost_after"]
+    pair = meta["pair"]
+    t, d = pair["target"], pair["draft"]
+    return (f"target: {t['num_hidden_layers']} layers, hidden {t['hidden_size']}, vocab {t['vocab_size']} "
+            f"({meta['target_params'] / 1e6:.1f}M params); draft: {d['num_hidden_layers']} layer(s) "
+            f"({meta['draft_params'] / 1e6:.1f}M params)  \n"
+            f"target/draft cost ratio (one forward, batch 8, 1 token): {c0['ratio']:.1f} before, "
+            f"{c1['ratio']:.1f} after the sweep  \n"
+            f"prompts: {meta['prompts']}  \n"
+            f"k = {meta['k']}, {meta['max_tokens']} new tokens, greedy, ignore_eos, {meta['dtype']} on "
+            f"{meta['device']}, {meta['threads']} thread(s), repeats {meta['repeats']}"
+            f"{', git ' + meta['git'] if meta.get('git') else ''}  \n"
+            f"command: `{meta['command']}`")
+
+
+def render(rows, meta, args, tag) -> str:
+    """Markdown (header, table, image links) of a run; writes the .md and the plots into args.out."""
+    md = header(meta) + "\n\n" + markdown_table(rows) + "\n"
+    pngs = [] if args.no_plots else plot(rows, args, tag)
+    if pngs:
+        md += "\n" + "\n".join(f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in pngs) + "\n"
+    with open(os.path.join(args.out, f"throughput-{tag}.md"), "w") as f:
+        f.write(md)
+    return md
+
+
+def replot(args) -> None:
+    with open(args.replot) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    meta = records[0]["meta"]
+    rows = [{k: v for k, v in r.items() if k != "meta"} for r in records]
+    for key in ("batch_sizes", "methods", "num_speculative_tokens", "max_tokens", "dtype", "device"):
+        setattr(args, key, meta["args"][key])
+    if not args.out_given:
+        args.out = os.path.dirname(os.path.abspath(args.replot))
+    os.makedirs(args.out, exist_ok=True)
+    print(render(rows, meta, args, meta["lengths"]))
+
+
+def git_revision() -> str:
+    """HEAD of the repository, with '+dirty' when tracked files are modified ('' outside git)."""
+    import subprocess
+
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return rev + ("+dirty" if rev and dirty else "")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.replot:
+        return replot(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tag = "equal" if args.equal_length else "random"
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.perf_counter()
+
+    models = load_pair(args)
+    prompts, source = build_prompts(args, models["tokenizer"], models["vocab_size"])
+    print(f"[throughput] pair: {args.target} / {args.draft}", file=sys.stderr, flush=True)
+    print(f"[throughput] prompts: {source}", file=sys.stderr, flush=True)
+    cost_before = cost_ratio(models["target"], models["draft"], repeats=args.cost_repeats)
+    print(f"[throughput] target/draft cost ratio: {cost_before['ratio']:.1f} "
+          f"({cost_before['target_forward_s'] * 1e3:.1f} ms vs {cost_before['draft_forward_s'] * 1e3:.1f} ms)",
+          file=sys.stderr, flush=True)
+
+    if not args.no_warmup:  # untimed: first-call allocations, lazy imports, kernel selection
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        for method in args.methods:
+            try:
+                make_llm(models, method, 2, args).generate(prompt_token_ids=prompts[:2], sampling_params=params)
+            except Exception:  # reported by the sweep itself
+                pass
+
+    runs = sweep(models, prompts, args)
+    cost_after = cost_ratio(models["target"], models["draft"], repeats=args.cost_repeats)
+    cost = {"ratio": (cost_before["ratio"] + cost_after["ratio"]) / 2}
+    rows = summarise(runs, args, cost)
+
+    meta = {
+        "command": "python " + " ".join(shlex.quote(a) for a in ([os.path.relpath(sys.argv[0], REPO)] if argv is None
+                                                                 else ["bench/throughput.py"]) +
+                                        (sys.argv[1:] if argv is None else list(argv))),
+        "pair": pair_description(args.target, args.draft),
+        "target_params": sum(p.numel() for p in models["target"].parameters()),
+        "draft_params": sum(p.numel() for p in models["draft"].parameters()),
+        "cost_before": cost_before, "cost_after": cost_after, "prompts": source, "lengths": tag,
+        "k": args.num_speculative_tokens, "max_tokens": args.max_tokens, "dtype": args.dtype,
+        "device": args.device, "threads": torch.get_num_threads(), "repeats": args.repeats,
+        "git": git_revision(), "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+        "cpu_count": os.cpu_count(), "total_time_s": time.perf_counter() - t_start,
+        "args": {k: v for k, v in vars(args).items()},
+    }
+    base = write_outputs(rows, meta, args, tag)
+    print(render(rows, meta, args, tag))
+    print(f"[throughput] wrote {base}.csv/.jsonl/.md" + ("" if args.no_plots else " and PNG plots") +
+          f" in {meta['total_time_s']:.0f}s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
