@@ -57,6 +57,7 @@ from pairs import DEFAULT_PAIR_DIR, SyntheticPairSpec, build_synthetic_pair, cos
 
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.models import load_tokenizer  # noqa: E402
+from specdec.prompts import read_prompts  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "throughput")
@@ -193,30 +194,6 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------------------------------------- prompts
-def read_prompt_file(path: str) -> list[str]:
-    texts = []
-    if path.endswith(".jsonl") or path.endswith(".json"):
-        with open(path) as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                rec = json.loads(line)
-                if "turns" in rec:
-                    texts.append(rec["turns"][0])
-                else:
-                    texts.append(rec.get("prompt", rec.get("text")))
-    else:
-        with open(path) as f:
-            for line in f:
-                line = line.rstrip("\n")
-                if line.strip() and not line.startswith("#"):
-                    texts.append(line.replace("\\n", "\n"))
-    texts = [t for t in texts if t]
-    if not texts:
-        raise SystemExit(f"{path}: no prompts found")
-    return texts
-
-
 def evenly_spaced(items: list, n: int) -> list:
     """n items spread over the list (cycling when it has fewer than n)."""
     if n <= len(items):
@@ -233,7 +210,7 @@ def build_prompts(args, tokenizer, vocab_size: int) -> tuple[list[list[int]], st
         source = f"built-in: {args.num_prompts} random-id prompts, lengths {args.min_prompt_len}-{args.max_prompt_len}"
     else:
         path = args.prompts or BUILTIN_TEXT_PROMPTS
-        texts = evenly_spaced(read_prompt_file(path), args.num_prompts)
+        texts = evenly_spaced(read_prompts(path), args.num_prompts)
         if tokenizer is not None:
             ids = [tokenizer.encode(t) for t in texts]
             how = "target tokenizer"

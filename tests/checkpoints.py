@@ -73,3 +73,14 @@ def make_pair(family: str, root, seed: int = 0, noise: float = 0.02, **overrides
             p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
     draft_dir = save_checkpoint(target, os.path.join(str(root), f"{family}-draft"))
     return target_dir, draft_dir
+
+
+def write_wordlevel_tokenizer(path, words) -> None:
+    """A `tokenizer.json` mapping each whitespace-separated word of `words` to its index."""
+    import os
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(str(path), "tokenizer.json"))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from checkpoints import make_pair
+from checkpoints import make_pair, write_wordlevel_tokenizer
 
 
 def cli(*args, timeout=600):
@@ -21,12 +21,8 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     target, draft = make_pair("llama", root)
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(128)]
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
     for d in (target, draft):
-        tok.save(os.path.join(d, "tokenizer.json"))
+        write_wordlevel_tokenizer(d, words)
     return target, draft, root
 
 

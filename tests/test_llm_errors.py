@@ -4,17 +4,9 @@ import shutil
 import pytest
 
 from checkpoints import make_checkpoint, make_pair
+from checkpoints import write_wordlevel_tokenizer as write_tokenizer
 from specdec import LLM, SamplingParams
 from specdec.models import CheckpointError
-
-
-def write_tokenizer(path, words):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {w: i for i, w in enumerate(words)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=words[0]))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")
