@@ -29,8 +29,12 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=4.51", "protobuf", "jinja2", "matplotlib"],
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=4.51", "protobuf", "jinja2", "matplotlib",
+                 "ray[data]==2.60.0"],
         "bench": ["matplotlib", "pytest-benchmark"],
+        # --ray (docs/distributed.md): Ray Data brings pandas and pyarrow; tested with 2.60.0, and 2.64
+        # removes the `ray_remote_args` that sets a block's retry budget
+        "ray": ["ray[data]>=2.60,<2.64"],
     },
     entry_points={"console_scripts": ["specdec=specdec.run:main"]},
 )

@@ -1,0 +1,12 @@
+"""specdec.kernels: one module per op, each with a Triton kernel, a pure-torch reference and a validating
+wrapper that dispatches between them (`dispatch.py`: Triton on CUDA, the reference elsewhere, or what
+`backend=` / `$SPECDEC_KERNELS` asks for).
+
+- `realign`: shift rows of the target's and draft's caches by per-row deltas (left-padded layout);
+- `positions`: positions, write columns and attention mask of a step from (start, length);
+- `rejection`: greedy and random acceptance of drafts, residual and bonus sampling;
+- `kv_append`: scatter K/V at per-row columns (ragged layout).
+
+This top-level `kernels/` folder installs as `specdec.kernels` (setup.py's package_dir): import it as
+`from specdec.kernels.realign import realign`. Importing never imports triton (see `dispatch.lazy_jit`).
+"""

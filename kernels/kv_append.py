@@ -14,15 +14,23 @@ tl = None  # triton.language, bound when this module's first kernel is launched 
 
 def kv_append_reference(k_cache, v_cache, k_new, v_new, columns) -> None:
     """k_cache/v_cache: [B, H_kv, C, D]; k_new/v_new: [B, H_kv, T, D]; columns: [B, T] int64."""
-    B, T = columns.shape
-    rows = torch.arange(B, device=columns.device)[:, None].expand(B, T)  # [B, T]
-    # advanced indices on dims 0 and 2 around a slice: the indexed view is [B, T, H_kv, D]
-    k_cache[rows, :, columns] = k_new.transpose(1, 2)
-    v_cache[rows, :, columns] = v_new.transpose(1, 2)
+    index = columns[:, None, :, None].expand_as(k_new)  # [B, H_kv, T, D] the column of every element
+    k_cache.scatter_(2, index, k_new)
+    v_cache.scatter_(2, index, v_new)
 
 
 def kv_append(k_cache, v_cache, k_new, v_new, columns, backend: str | None = None) -> None:
-    """Validate and dispatch; writes in place."""
+    """Validate and dispatch; writes in place. Inside torch.compile the checks are skipped (formatting a
+    symbolic size into a message would pin it to one value and recompile for every batch size)."""
+    if not torch.compiler.is_compiling():
+        _validate(k_cache, v_cache, k_new, v_new, columns)
+    if choose_backend(k_cache, backend) == "triton":
+        kv_append_triton(k_cache, v_cache, k_new, v_new, columns)
+    else:
+        kv_append_reference(k_cache, v_cache, k_new, v_new, columns)
+
+
+def _validate(k_cache, v_cache, k_new, v_new, columns) -> None:
     check(k_cache.shape == v_cache.shape and k_cache.dim() == 4, "kv_append: k_cache/v_cache must be [B, H_kv, C, D]")
     B, H, C, D = k_cache.shape
     T = columns.shape[1]
@@ -31,10 +39,6 @@ def kv_append(k_cache, v_cache, k_new, v_new, columns, backend: str | None = Non
     check(k_new.dtype == k_cache.dtype, f"kv_append: k_new dtype {k_new.dtype} != cache dtype {k_cache.dtype}")
     check(v_new.dtype == v_cache.dtype == k_cache.dtype,
           f"kv_append: v_new/v_cache dtypes {v_new.dtype}/{v_cache.dtype} != k_cache dtype {k_cache.dtype}")
-    if choose_backend(k_cache, backend) == "triton":
-        kv_append_triton(k_cache, v_cache, k_new, v_new, columns)
-    else:
-        kv_append_reference(k_cache, v_cache, k_new, v_new, columns)
 
 
 @lazy_jit

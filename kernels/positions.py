@@ -29,6 +29,8 @@ class StepPlan:
     mask: torch.Tensor  # [B, T, W] bool, True = may attend
     width: int  # W: columns 0..W-1 of the cache take part in attention
     num_new: torch.Tensor  # [B] int64, real tokens per row
+    host_num_new: list[int] | None = None  # the same on the host (set by KVCache.plan)
+    first_column: int | None = None  # the write column of token 0 when every row writes the same columns
 
 
 def step_plan_reference(start, length, num_new, T: int, left_padded: bool, width: int):
@@ -44,8 +46,12 @@ def step_plan_reference(start, length, num_new, T: int, left_padded: bool, width
     return positions, columns, mask
 
 
-def step_plan(start, length, T: int, num_new=None, left_padded: bool = False, backend: str | None = None) -> StepPlan:
-    """Validate and dispatch. `start`, `length`, `num_new`: [B] int64 on the cache's device."""
+def step_plan(start, length, T: int, num_new=None, left_padded: bool = False, backend: str | None = None,
+              width: int | None = None) -> StepPlan:
+    """Validate and dispatch. `start`, `length`, `num_new`: [B] int64 on the cache's device.
+
+    `width`: the mask's W, known on the host by the caller (`KVCache.plan` keeps host copies of start and
+    length); when None it is read from the device (one synchronisation: tools and tests only)."""
     B = start.shape[0]
     if num_new is None:
         num_new = torch.full((B,), T, dtype=torch.int64, device=start.device)
@@ -54,8 +60,9 @@ def step_plan(start, length, T: int, num_new=None, left_padded: bool = False, ba
     check(not num_new.is_floating_point() and num_new.dtype != torch.bool,
           "step_plan: num_new must be an integer tensor")
     check(T >= 1, f"step_plan: T must be >= 1, got {T}")
-    last = start + length + (num_new if left_padded else torch.full_like(num_new, T))  # [B] one past last column
-    width = int(last.max()) if B else 0
+    if width is None:
+        last = start + length + (num_new if left_padded else torch.full_like(num_new, T))  # [B] one past last column
+        width = int(last.max()) if B else 0
     if choose_backend(start, backend) == "triton":
         positions, columns, mask = step_plan_triton(start, length, num_new, T, left_padded, width)
     else:

@@ -9,6 +9,10 @@ Per row i with drafts d_1..d_k:
   unnecessary: the sample is the argmax of residual / Exp(1) noise, an exponential race); when all k are
   accepted emit the bonus, a sample of the target's p_k by the same race.
 
+A row whose draft distribution is unusable (`draft_ok[i]` False: non-finite draft logits) accepts no
+draft and emits a sample of the target's own p_0 (q taken as 0), so the output distribution is the
+target's whatever the draft produced.
+
 Outputs `[B, k+1]` token ids with -1 placeholders after the emitted token, and `[B]` accepted counts.
 Masked lanes in every argmax are -inf, never 0, so no id >= vocab size can win.
 """
@@ -23,11 +27,14 @@ tl = None  # triton.language, bound when this module's first kernel is launched 
 BLOCK_V = 2048  # vocabulary tile of the residual/bonus race
 
 
-def rejection_sample_reference(draft_ids, target_argmax, target_probs, draft_probs, is_greedy, uniforms, noise):
+def rejection_sample_reference(draft_ids, target_argmax, target_probs, draft_probs, is_greedy, uniforms, noise,
+                               draft_ok=None):
     """Torch reference; see `rejection_sample` for shapes. Returns (output [B, k+1], num_accepted [B])."""
     B, k = draft_ids.shape
     device = draft_ids.device
     j = torch.arange(k + 1, device=device)  # [k+1]
+    if draft_ok is None:
+        draft_ok = torch.ones(B, dtype=torch.bool, device=device)
     accepted = torch.zeros(B, k, dtype=torch.bool, device=device)  # [B, k]
     if target_argmax is not None:
         accepted = torch.where(is_greedy[:, None], draft_ids == target_argmax[:, :k], accepted)
@@ -36,6 +43,7 @@ def rejection_sample_reference(draft_ids, target_argmax, target_probs, draft_pro
         q_draft = draft_probs.gather(2, draft_ids[:, :, None]).squeeze(2).double()  # [B, k] q_j(d_j)
         accepted_random = uniforms * q_draft <= p_draft  # [B, k]
         accepted = torch.where(is_greedy[:, None], accepted, accepted_random)
+    accepted &= draft_ok[:, None]
     num_accepted = torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1)  # [B] leading run of accepts
 
     next_token = torch.zeros(B, dtype=torch.int64, device=device)  # [B]
@@ -45,7 +53,8 @@ def rejection_sample_reference(draft_ids, target_argmax, target_probs, draft_pro
     if target_probs is not None:
         p_at = target_probs[rows, num_accepted].double()  # [B, V] target at the emitted slot
         clipped = num_accepted.clamp(max=k - 1)
-        q_at = torch.where((num_accepted < k)[:, None], draft_probs[rows, clipped].double(), torch.zeros_like(p_at))
+        use_q = (num_accepted < k) & draft_ok  # [B] bonus rows and rows with an unusable draft: q = 0
+        q_at = torch.where(use_q[:, None], draft_probs[rows, clipped].double(), torch.zeros_like(p_at))
         residual = (p_at - q_at).clamp(min=0)  # [B, V]; bonus rows: q = 0, so residual = p
         empty = residual.sum(dim=1, keepdim=True) <= 0
         residual = torch.where(empty, p_at, residual)
@@ -58,7 +67,8 @@ def rejection_sample_reference(draft_ids, target_argmax, target_probs, draft_pro
 
 
 def rejection_sample(draft_ids, target_argmax=None, target_probs=None, draft_probs=None, is_greedy=None,
-                     uniforms=None, noise=None, backend: str | None = None):
+                     uniforms=None, noise=None, backend: str | None = None, draft_ok=None,
+                     any_greedy: bool | None = None, all_greedy: bool | None = None):
     """Validate and dispatch.
 
     draft_ids:     [B, k] int64, proposed tokens
@@ -68,18 +78,26 @@ def rejection_sample(draft_ids, target_argmax=None, target_probs=None, draft_pro
     is_greedy:     [B] bool
     uniforms:      [B, k] float64 in [0, 1), acceptance draws of sampling rows
     noise:         [B, V] float32/64 Exp(1) draws for the residual/bonus race of sampling rows
+    draft_ok:      [B] bool, False where the draft's distribution is unusable (None: all usable)
+    any_greedy, all_greedy: what the caller knows of is_greedy on the host (None: read from the device)
     """
     B, k = draft_ids.shape
     check(k >= 1 and draft_ids.dtype == torch.int64, "rejection_sample: draft_ids must be [B, k>=1] int64")
     if is_greedy is None:
         is_greedy = torch.full((B,), target_probs is None, dtype=torch.bool, device=draft_ids.device)
     check(is_greedy.shape == (B,) and is_greedy.dtype == torch.bool, "rejection_sample: is_greedy must be [B] bool")
+    check(draft_ok is None or (draft_ok.shape == (B,) and draft_ok.dtype == torch.bool),
+          "rejection_sample: draft_ok must be [B] bool")
+    if any_greedy is None:
+        any_greedy = bool(is_greedy.any())
+    if all_greedy is None:
+        all_greedy = bool(is_greedy.all())
     check(target_argmax is not None or target_probs is not None, "rejection_sample: need target_argmax or target_probs")
     if target_argmax is not None:
         check(target_argmax.shape == (B, k + 1) and target_argmax.dtype == torch.int64,
               f"rejection_sample: target_argmax must be [{B}, {k + 1}] int64")
     else:
-        check(not bool(is_greedy.any()), "rejection_sample: greedy rows need target_argmax")
+        check(not any_greedy, "rejection_sample: greedy rows need target_argmax")
     if target_probs is not None:
         V = target_probs.shape[-1]
         check(target_probs.shape == (B, k + 1, V), f"rejection_sample: target_probs must be [{B}, {k + 1}, V]")
@@ -91,10 +109,12 @@ def rejection_sample(draft_ids, target_argmax=None, target_probs=None, draft_pro
         check(target_probs.is_floating_point() and draft_probs.is_floating_point(),
               "rejection_sample: target_probs/draft_probs must be floating point")
     else:
-        check(bool(is_greedy.all()), "rejection_sample: sampling rows need target_probs")
+        check(all_greedy, "rejection_sample: sampling rows need target_probs")
     if choose_backend(draft_ids, backend) == "triton":
-        return rejection_sample_triton(draft_ids, target_argmax, target_probs, draft_probs, is_greedy, uniforms, noise)
-    return rejection_sample_reference(draft_ids, target_argmax, target_probs, draft_probs, is_greedy, uniforms, noise)
+        return rejection_sample_triton(draft_ids, target_argmax, target_probs, draft_probs, is_greedy, uniforms, noise,
+                                       draft_ok)
+    return rejection_sample_reference(draft_ids, target_argmax, target_probs, draft_probs, is_greedy, uniforms, noise,
+                                      draft_ok)
 
 
 @lazy_jit
@@ -149,6 +169,7 @@ def _rejection_kernel(
     target_probs_ptr,  # [B, k+1, V] float (unused unless HAS_PROBS)
     draft_probs_ptr,  # [B, k, V] float (unused unless HAS_PROBS)
     is_greedy_ptr,  # [B] uint8 (a view of the bool tensor)
+    draft_ok_ptr,  # [B] uint8 (a view of the bool tensor): 0 = reject every draft, q = 0
     uniforms_ptr,  # [B, k] float64
     noise_ptr,  # [B, V] float32/float64
     s_out_b, s_out_j,
@@ -156,7 +177,7 @@ def _rejection_kernel(
     s_a_b, s_a_j,
     s_p_b, s_p_j, s_p_v,
     s_q_b, s_q_j, s_q_v,
-    s_g,
+    s_g, s_ok,
     s_u_b, s_u_j,
     s_z_b, s_z_v,
     K, V,
@@ -185,7 +206,8 @@ def _rejection_kernel(
         acc_random = (u * q.to(tl.float64) <= p.to(tl.float64)) & valid  # float64, as the reference
     else:
         acc_random = j < 0
-    accepted = tl.where(greedy, acc_greedy, acc_random) & jm
+    ok = tl.load(draft_ok_ptr + row * s_ok) != 0
+    accepted = tl.where(greedy, acc_greedy, acc_random) & jm & ok
     n = tl.min(tl.where(accepted | (j >= K), K, j), axis=0)  # first rejection, or K: the leading run
 
     token = tl.full([], 0, tl.int64)
@@ -196,7 +218,7 @@ def _rejection_kernel(
             p_row = target_probs_ptr + row * s_p_b + n * s_p_j
             q_row = draft_probs_ptr + row * s_q_b + tl.minimum(n, K - 1) * s_q_j
             z_row = noise_ptr + row * s_z_b
-            q_len = tl.where(n < K, V, 0)
+            q_len = tl.where((n < K) & ok, V, 0)
             token, nonempty = _race(p_row, q_row, z_row, s_p_v, s_q_v, s_z_v, q_len, V, True, BLOCK_V)
             if nonempty == 0:  # max(p - q, 0) is all zero: sample p itself (the reference's fallback)
                 token, nonempty = _race(p_row, q_row, z_row, s_p_v, s_q_v, s_z_v, q_len, V, False, BLOCK_V)
@@ -206,7 +228,8 @@ def _rejection_kernel(
     tl.store(num_acc_ptr + row, n.to(tl.int64))
 
 
-def rejection_sample_triton(draft_ids, target_argmax, target_probs, draft_probs, is_greedy, uniforms, noise):
+def rejection_sample_triton(draft_ids, target_argmax, target_probs, draft_probs, is_greedy, uniforms, noise,
+                            draft_ok=None):
     """Launch `_rejection_kernel` with grid (B,); same outputs as `rejection_sample_reference`."""
     B, k = draft_ids.shape
     device = draft_ids.device
@@ -216,6 +239,9 @@ def rejection_sample_triton(draft_ids, target_argmax, target_probs, draft_probs,
         return output, num_accepted
     has_argmax, has_probs = target_argmax is not None, target_probs is not None
     greedy_u8 = is_greedy.view(torch.uint8)
+    if draft_ok is None:
+        draft_ok = torch.ones(B, dtype=torch.bool, device=device)
+    ok_u8 = draft_ok.view(torch.uint8)
     a = target_argmax if has_argmax else draft_ids
     p = target_probs if has_probs else draft_ids[:, :, None]
     q = draft_probs if has_probs else draft_ids[:, :, None]
@@ -223,13 +249,13 @@ def rejection_sample_triton(draft_ids, target_argmax, target_probs, draft_probs,
     z = noise if has_probs else draft_ids
     V = target_probs.shape[-1] if has_probs else 1
     _rejection_kernel[(B,)](
-        output, num_accepted, draft_ids, a, p, q, greedy_u8, u, z,
+        output, num_accepted, draft_ids, a, p, q, greedy_u8, ok_u8, u, z,
         output.stride(0), output.stride(1),
         draft_ids.stride(0), draft_ids.stride(1),
         a.stride(0), a.stride(1),
         p.stride(0), p.stride(1), p.stride(2),
         q.stride(0), q.stride(1), q.stride(2),
-        greedy_u8.stride(0),
+        greedy_u8.stride(0), ok_u8.stride(0),
         u.stride(0), u.stride(1),
         z.stride(0), z.stride(1),
         k, V,

@@ -1,4 +1,7 @@
-"""specdec.models: our own minimal transformer for Llama/Vicuna, Qwen3 and GLM-4 HF checkpoints."""
+"""specdec.models: our own minimal transformer for Llama/Vicuna, Qwen3 and GLM-4 HF checkpoints.
+
+This top-level `models/` folder installs as `specdec.models` (setup.py's package_dir): import it as
+`from specdec.models import load_model, load_tokenizer, KVCache`."""
 from .cache import KVCache
 from .config import ModelConfig
 from .errors import CheckpointError

@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Glm4ForCausalLM": "glm4",
 }
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "glm4": "glm4"}  # used when `architectures` is absent
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,15 @@ class ModelConfig:
                 f"{source}: remote-code checkpoint (model_type={raw.get('model_type')!r}, "
                 f"architectures={archs}) is not supported; convert it to Glm4ForCausalLM / HF format first"
             )
-        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if archs:
+            family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        else:  # as transformers does: without `architectures`, `model_type` says what the model is
+            family = SUPPORTED_MODEL_TYPES.get(raw.get("model_type"))
         if family is None:
             raise CheckpointError(
-                f"{source}: unsupported architectures {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"{source}: unsupported architectures {archs!r} (model_type {raw.get('model_type')!r}); supported: "
+                f"architectures {sorted(SUPPORTED_ARCHITECTURES)}, or without architectures a model_type in "
+                f"{sorted(SUPPORTED_MODEL_TYPES)}"
             )
 
         def need(key):

@@ -1,21 +1,28 @@
 """Strict loading of HF safetensors checkpoints into our Transformer.
 
-The model is built on the meta device and every tensor is assigned straight from its shard (each shard
-opened once), converted to the caller's dtype: no second copy of the weights in memory. Keys must match
-exactly: a missing, unexpected or wrongly shaped weight is an error naming the key and the file.
+The model is built on the meta device, already fused (one `qkv_proj`, one `gate_up_proj`), and each
+checkpoint tensor is written straight into its final buffer (a fused projection's rows, or a buffer of its
+own), converted to the caller's dtype one bounded chunk at a time (`shard_reader`). A weight that needs
+neither conversion nor fusion, on the CPU, is used in place from the memory-mapped file (zero copy). So the
+peak memory of a load is the final model plus one staging chunk. Keys must match exactly: a missing,
+unexpected or wrongly shaped weight is an error naming the key and the file; shard paths must stay inside
+the checkpoint directory.
 """
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from .config import ModelConfig, read_json
 from .errors import CheckpointError
-from .transformer import Transformer
+from .shard_reader import ShardReader
+from .transformer import Transformer, fusion_layout
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FINITE_SCAN_ELEMENTS = 1 << 24  # elements checked at a time by check_weights (bounded temporary)
 
 
 def resolve_dtype(dtype) -> torch.dtype:
@@ -28,44 +35,91 @@ def resolve_dtype(dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def weight_files(path: str) -> dict[str, list[str]]:
+def _allowed_roots(path: str) -> list[str]:
+    """Where shard files may really live: the checkpoint directory, and for a Hugging Face cache snapshot
+    (`<repo>/snapshots/<revision>`, whose files are symlinks) that repository's `blobs` folder."""
+    root = os.path.realpath(path)
+    roots = [root]
+    if os.path.basename(os.path.dirname(root)) == "snapshots":
+        roots.append(os.path.join(os.path.dirname(os.path.dirname(root)), "blobs"))
+    return roots
+
+
+def _shard_path(path: str, index_path: str, key: str, shard) -> str:
+    """The file of one index entry; refuses entries that are not relative paths inside the directory."""
+    if not isinstance(shard, str) or not shard:
+        raise CheckpointError(f"{index_path}: weight_map entry for {key!r} is not a file name: {shard!r}")
+    lexical = os.path.normpath(shard)
+    if os.path.isabs(shard) or lexical == ".." or lexical.startswith(".." + os.sep):
+        raise CheckpointError(f"{index_path}: shard {shard!r} (for {key!r}) is outside the checkpoint directory")
+    file = os.path.join(path, lexical)
+    real = os.path.realpath(file)
+    if not any(os.path.commonpath([root, real]) == root for root in _allowed_roots(path)):
+        raise CheckpointError(f"{index_path}: shard {shard!r} (for {key!r}) resolves to {real}, outside the "
+                              f"checkpoint directory")
+    return file
+
+
+def weight_files(path: str) -> dict[str, list[str] | None]:
     """Map each safetensors file of the checkpoint to the keys it should hold (None: all of them)."""
     single = os.path.join(path, "model.safetensors")
     index_path = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index_path):
         index = read_json(index_path, required=True)
-        if "weight_map" not in index:
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise CheckpointError(f"{index_path}: missing key 'weight_map'")
         files: dict[str, list[str]] = {}
         for key, shard in index["weight_map"].items():
-            files.setdefault(os.path.join(path, shard), []).append(key)
+            files.setdefault(_shard_path(path, index_path, key, shard), []).append(key)
         return files
     if os.path.exists(single):
         return {single: None}
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json found")
 
 
-def load_model(path, dtype="float32", device="cpu", fuse: bool = True) -> Transformer:
+def count_non_finite(tensor: torch.Tensor) -> int:
+    """NaN and ±inf entries of `tensor`, scanned in bounded chunks (no full-size boolean temporary). A chunk
+    whose sum is finite has no NaN/inf (either would make the sum NaN or inf), and a sum is ~30x faster than
+    `isfinite` on the CPU; only a chunk with a non-finite sum (or one that overflowed) is counted exactly."""
+    flat = tensor.reshape(-1)
+    bad = 0
+    for first in range(0, flat.numel(), FINITE_SCAN_ELEMENTS):
+        chunk = flat[first: first + FINITE_SCAN_ELEMENTS]
+        if not bool(torch.isfinite(chunk.sum())):
+            bad += int((~torch.isfinite(chunk)).sum())
+    return bad
+
+
+def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_weights: bool = False) -> Transformer:
     """Load an HF checkpoint directory (Llama/Vicuna, Qwen3, GLM-4) into our Transformer.
 
-    `fuse` (default) merges q/k/v and gate/up projections after loading: same numbers, fewer matmuls."""
+    `fuse` (default) loads q/k/v and gate/up into fused projections: same numbers, fewer matmuls.
+    `check_weights` scans every weight, after conversion to `dtype`, for NaN/inf and raises naming the file
+    and key; the model's `weights_check_s` records the scan's seconds (None when not checked)."""
     path = os.fspath(path)
     cfg = ModelConfig.from_dir(path)
     dtype = resolve_dtype(dtype)
+    device = torch.device(device)
     with torch.device("meta"):
-        model = Transformer(cfg)
-    expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
+        model = Transformer(cfg, fused=fuse)
+    params = dict(model.named_parameters(remove_duplicate=False))
     tied = cfg.tie_word_embeddings
     if tied:
-        expected.pop("lm_head.weight")
+        params.pop("lm_head.weight")
+    # checkpoint name -> (parameter it goes to, first row or None for the whole parameter, expected shape)
+    layout = fusion_layout(cfg) if fuse else {}
+    fused_names = {dst for dst, _, _ in layout.values()}
+    placement = {name: (name, None, tuple(p.shape)) for name, p in params.items() if name not in fused_names}
+    placement.update(layout)
 
-    state: dict[str, torch.Tensor] = {}
-    origin: dict[str, str] = {}
+    final: dict[str, torch.Tensor] = {}  # parameter name -> its tensor (filled in place)
+    origin: dict[str, str] = {}  # checkpoint name -> file
+    check_s = 0.0
     for file, keys in weight_files(path).items():
         if not os.path.exists(file):
             raise CheckpointError(f"{file}: shard listed in model.safetensors.index.json does not exist")
         try:
-            with safe_open(file, framework="pt", device=str(device)) as f:
+            with safe_open(file, framework="pt", device="cpu") as f, ShardReader(file) as reader:
                 present = set(f.keys())
                 listed = present if keys is None else set(keys)
                 for key in sorted(listed - present):
@@ -76,32 +130,45 @@ def load_model(path, dtype="float32", device="cpu", fuse: bool = True) -> Transf
                     name = key[len("model."):] if key.startswith("model.") else key
                     if tied and name == "lm_head.weight":
                         continue  # HF ties it to the embedding anyway
-                    if name not in expected:
+                    if name not in placement:
                         raise CheckpointError(f"{file}: unexpected weight {key!r} for {cfg.family}")
-                    if name in state:
+                    if name in origin:
                         raise CheckpointError(f"{file}: weight {key!r} also defined in {origin[name]}")
-                    tensor = f.get_tensor(key)
-                    if not tensor.is_floating_point():
-                        raise CheckpointError(f"{file}: weight {key!r} has non-float dtype {tensor.dtype}")
-                    if tuple(tensor.shape) != tuple(expected[name]):
+                    mapped = f.get_tensor(key)  # memory-mapped: nothing is read until it is touched
+                    if not mapped.is_floating_point():
+                        raise CheckpointError(f"{file}: weight {key!r} has non-float dtype {mapped.dtype}")
+                    param, row, shape = placement[name]
+                    if tuple(mapped.shape) != shape:
                         raise CheckpointError(
-                            f"{file}: weight {key!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}"
-                        )
-                    state[name] = tensor.to(dtype)
+                            f"{file}: weight {key!r} has shape {tuple(mapped.shape)}, expected {shape}")
+                    if row is None and mapped.dtype == dtype and device.type == "cpu":
+                        final[param] = written = mapped  # zero copy
+                    else:
+                        if param not in final:
+                            final[param] = torch.empty(params[param].shape, dtype=dtype, device=device)
+                        written = final[param] if row is None else final[param][row: row + shape[0]]
+                        reader.read_into(key, mapped.dtype, written)
+                    del mapped
                     origin[name] = file
+                    if check_weights:
+                        started = time.perf_counter()
+                        bad = count_non_finite(written)
+                        check_s += time.perf_counter() - started
+                        if bad:
+                            raise CheckpointError(f"{file}: weight {key!r} has {bad} non-finite value(s) (NaN/inf) "
+                                                  f"as {str(dtype).removeprefix('torch.')}")
         except SafetensorError as err:
             raise CheckpointError(f"{file}: cannot read safetensors file ({err})") from None
         except OSError as err:
             raise CheckpointError(f"{file}: cannot read ({err})") from None
-    missing = sorted(set(expected) - set(state))
+    missing = sorted(set(placement) - set(origin))
     if missing:
         shown = ", ".join(repr("model." + m if m != "lm_head.weight" else m) for m in missing[:5])
         raise CheckpointError(f"{path}: missing weight(s) {shown}{' ...' if len(missing) > 5 else ''}")
-    model.load_state_dict(state, strict=not tied, assign=True)
+    model.load_state_dict(final, strict=not tied, assign=True)
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
-    if fuse:
-        model.fuse_()
+    model.weights_check_s = check_s if check_weights else None
     return model.eval()
 
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.kernels.kv_append import kv_append
-from specdec.kernels.positions import StepPlan
 
+from . import numerics
 from .cache import KVCache
 from .config import ModelConfig
 
@@ -48,38 +48,60 @@ def apply_rope(x, cos, sin, interleaved: bool):
     return torch.cat((rotated, x_pass), dim=-1) if x_pass.shape[-1] else rotated
 
 
+def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output rows are `parts`' rows stacked in order. Each part is copied straight into its
+    rows of the one new buffer (no concatenated temporary), so fusing needs one extra copy of these parts."""
+    first = parts[0].weight
+    with torch.device("meta"):
+        fused = nn.Linear(first.shape[1], sum(p.out_features for p in parts), bias=parts[0].bias is not None,
+                          dtype=first.dtype)
+    fused = fused.to_empty(device=first.device)
+    row = 0
+    with torch.no_grad():
+        for p in parts:
+            fused.weight[row: row + p.out_features].copy_(p.weight)  # [out_p, in]
+            if fused.bias is not None:
+                fused.bias[row: row + p.out_features].copy_(p.bias)
+            row += p.out_features
+    return fused
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`fused=True` builds the one `qkv_proj` directly (what `load_model` fills); else q/k/v_proj as in HF."""
+
+    FUSED = ("qkv_proj", ("q_proj", "k_proj", "v_proj"))
+
+    def __init__(self, cfg: ModelConfig, fused: bool = False):
         super().__init__()
         self.cfg = cfg
         H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-        self.q_proj = nn.Linear(E, H * D, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(E, Hkv * D, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(E, Hkv * D, bias=cfg.attention_bias)
+        if fused:
+            self.qkv_proj = nn.Linear(E, (H + 2 * Hkv) * D, bias=cfg.attention_bias)
+        else:
+            self.q_proj = nn.Linear(E, H * D, bias=cfg.attention_bias)
+            self.k_proj = nn.Linear(E, Hkv * D, bias=cfg.attention_bias)
+            self.v_proj = nn.Linear(E, Hkv * D, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(H * D, E, bias=cfg.attention_out_bias)
+        self.batch_invariant = False  # set by Transformer.batch_invariant (models/numerics.py)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
     def fuse_(self) -> None:
-        """Replace q/k/v_proj by one `qkv_proj` (one matmul instead of three); HF names are kept for loading."""
-        parts = [self.q_proj, self.k_proj, self.v_proj]
-        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
-                          device=parts[0].weight.device, dtype=parts[0].weight.dtype)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([p.weight for p in parts]))
-            if fused.bias is not None:
-                fused.bias.copy_(torch.cat([p.bias for p in parts]))
+        """Replace q/k/v_proj by one `qkv_proj` (one matmul instead of three); a no-op when already fused."""
+        if hasattr(self, "qkv_proj"):
+            return
+        self.qkv_proj = fused_linear([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
-        self.qkv_proj = fused
 
-    def qkv(self, x, cos, sin):
+    def qkv(self, x, cos, sin, backend=None):
         """q [B, H, T, D], k [B, H_kv, T, D] (both normed as the family says, rotated) and v [B, H_kv, T, D]."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         if hasattr(self, "qkv_proj"):
-            q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            qkv = numerics.linear(self.qkv_proj, x, self.batch_invariant, backend)  # [B, T, (H + 2 H_kv) D]
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
@@ -89,65 +111,70 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin, cfg.rope_interleaved)  # [B, H_kv, T, D]
         return q, k, v.transpose(1, 2)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, plan: StepPlan, attn_bias, first_column):
-        """attn_bias: [B, 1, T, W] additive mask; first_column: the shared write column when every row
-        writes the same contiguous columns (left-padded layout), else None (scatter per row)."""
+    def forward(self, x, cos, sin, k_cache, v_cache, columns, attn_bias, first_column, backend=None):
+        """x [B, T, E]; k_cache/v_cache [B, H_kv, C, D]; columns [B, T] write columns; attn_bias [B, 1, T, W]
+        additive mask over cache columns 0..W-1; first_column: the shared write column when every row
+        writes the same contiguous columns (a host int: a slice write), else None (scatter per row, with the
+        kv_append kernel of `backend`)."""
         cfg = self.cfg
         B, T, _ = x.shape
-        q, k, v = self.qkv(x, cos, sin)
+        q, k, v = self.qkv(x, cos, sin, backend)
         if first_column is None:
-            kv_append(k_cache, v_cache, k, v, plan.columns)  # k_cache: [B, H_kv, C, D]
+            kv_append(k_cache, v_cache, k, v, columns, backend=backend)  # k_cache: [B, H_kv, C, D]
         else:
             k_cache[:, :, first_column: first_column + T] = k
             v_cache[:, :, first_column: first_column + T] = v
-        W = plan.width
-        out = F.scaled_dot_product_attention(
-            q, k_cache[:, :, :W], v_cache[:, :, :W], attn_mask=attn_bias,
-            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-        )  # [B, H, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim))
+        if self.batch_invariant:  # attn_bias is then a numerics.RowKeys (mask and each row's first key)
+            out = numerics.attention(q, k_cache, v_cache, attn_bias, backend)  # [B, H, T, D]
+        else:
+            W = attn_bias.shape[-1]
+            out = F.scaled_dot_product_attention(
+                q, k_cache[:, :, :W], v_cache[:, :, :W], attn_mask=attn_bias,
+                enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+            )  # [B, H, T, D]
+        out = out.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim)  # [B, T, H * D]
+        return numerics.linear(self.o_proj, out, self.batch_invariant, backend)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`fused=True` builds the one `gate_up_proj` (gate first) directly; GLM-4 checkpoints store it that way."""
+
+    FUSED = ("gate_up_proj", ("gate_proj", "up_proj"))
+
+    def __init__(self, cfg: ModelConfig, fused: bool = False):
         super().__init__()
         E, I = cfg.hidden_size, cfg.intermediate_size
-        self.fused = cfg.fused_gate_up
+        self.fused = fused or cfg.fused_gate_up
         if self.fused:
-            self.gate_up_proj = nn.Linear(E, 2 * I, bias=False)
+            self.gate_up_proj = nn.Linear(E, 2 * I, bias=cfg.mlp_bias and not cfg.fused_gate_up)
         else:
             self.gate_proj = nn.Linear(E, I, bias=cfg.mlp_bias)
             self.up_proj = nn.Linear(E, I, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(I, E, bias=cfg.mlp_bias and not self.fused)
+        self.down_proj = nn.Linear(I, E, bias=cfg.mlp_bias and not cfg.fused_gate_up)
+        self.batch_invariant = False  # set by Transformer.batch_invariant (models/numerics.py)
 
     def fuse_(self) -> None:
         """Replace gate_proj/up_proj by one `gate_up_proj` (gate first), as GLM-4 stores it."""
         if self.fused:
             return
-        gate, up = self.gate_proj, self.up_proj
-        fused = nn.Linear(gate.in_features, 2 * gate.out_features, bias=gate.bias is not None,
-                          device=gate.weight.device, dtype=gate.weight.dtype)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([gate.weight, up.weight]))
-            if fused.bias is not None:
-                fused.bias.copy_(torch.cat([gate.bias, up.bias]))
+        self.gate_up_proj = fused_linear([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
-        self.gate_up_proj = fused
         self.fused = True
 
-    def forward(self, x):
+    def forward(self, x, backend=None):
+        invariant = self.batch_invariant
         if self.fused:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # gate first
+            gate, up = numerics.linear(self.gate_up_proj, x, invariant, backend).chunk(2, dim=-1)  # gate first
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            gate, up = numerics.linear(self.gate_proj, x, invariant, backend), numerics.linear(self.up_proj, x, invariant, backend)
+        return numerics.linear(self.down_proj, numerics.silu(gate, invariant) * up, invariant, backend)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fused: bool = False):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, fused)
+        self.mlp = MLP(cfg, fused)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sandwich = cfg.sandwich_norms
@@ -155,29 +182,47 @@ class DecoderLayer(nn.Module):
             self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, plan, attn_bias, first_column):
-        h = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, plan, attn_bias, first_column)
+    def forward(self, x, cos, sin, k_cache, v_cache, columns, attn_bias, first_column, backend=None):
+        h = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, columns, attn_bias, first_column,
+                           backend)
         if self.sandwich:
             h = self.post_self_attn_layernorm(h)
         x = x + h
-        h = self.mlp(self.post_attention_layernorm(x))
+        h = self.mlp(self.post_attention_layernorm(x), backend)
         if self.sandwich:
             h = self.post_mlp_layernorm(h)
         return x + h
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM. Implements the model protocol of docs/api.md: `new_cache`, `forward`, `vocab_size`."""
+    """Decoder-only LM. Implements the model protocol of docs/api.md: `new_cache`, `forward`, `vocab_size`.
 
-    def __init__(self, cfg: ModelConfig):
+    `fused=True` builds the fused q/k/v and gate/up projections directly (see `fusion_layout`)."""
+
+    def __init__(self, cfg: ModelConfig, fused: bool = False):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, fused) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.compiled_forward = None  # set by `compile_forward`
+        self._batch_invariant = False
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Batch-invariant numerics (models/numerics.py): a token's logits are the same bits whatever else
+        shares its forward (B, T, row, padding). Set it on the model (`model.batch_invariant = True`); the
+        forward then runs eager (a compiled forward is not used: inductor picks its own kernels)."""
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        self._batch_invariant = bool(on)
+        for layer in self.layers:
+            layer.self_attn.batch_invariant = layer.mlp.batch_invariant = bool(on)
 
     @property
     def vocab_size(self) -> int:
@@ -212,26 +257,69 @@ class Transformer(nn.Module):
     def forward(self, input_ids, cache: KVCache, num_new=None, logits: str = "all"):
         """input_ids [B, T] -> logits [B, T, V] ("all") or [B, 1, V] ("last": each row's last real token).
 
-        `num_new` [B]: real tokens per row (default T); the rest is padding, on the left in the
-        left-padded layout and on the right in the ragged one. Writes K/V and advances `cache.length`.
+        `num_new`: real tokens per row, a host list (default T for every row); the rest is padding, on the
+        left in the left-padded layout and on the right in the ragged one. Writes K/V and advances the
+        cache. Reads nothing back from the device: the cache's host mirror sizes the step.
         """
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         B, T = input_ids.shape
-        plan = cache.plan(T, num_new)
-        cos, sin = self.rope(plan.positions)
-        zero = torch.zeros((), dtype=self.dtype, device=input_ids.device)
-        attn_bias = torch.where(plan.mask, zero, float("-inf"))[:, None]  # [B, 1, T, W], once for all layers
-        first = plan.columns[:, 0]  # [B]
-        first_column = int(first[0]) if bool((first == first[0]).all()) else None
-        h = self.embed_tokens(input_ids)  # [B, T, E]
-        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            h = layer(h, cos, sin, k_cache, v_cache, plan, attn_bias, first_column)
-        if logits == "last":
-            last = torch.full_like(plan.num_new, T - 1) if cache.left_padded else plan.num_new - 1  # [B]
-            h = h[torch.arange(B, device=h.device), last][:, None]  # [B, 1, E]
+        compiled = self.compiled_forward is not None and num_new is None  # steps; prefills (varied shapes) run eager
+        compiled = compiled and not self.batch_invariant
+        plan = cache.plan(T, num_new, full_width=compiled)
+        last_index = None  # [B] each row's last real token, when it is not token T - 1
+        if logits == "last" and not cache.left_padded and any(n != T for n in plan.host_num_new):
+            last_index = plan.num_new - 1
+        if compiled:  # one graph for every step: scatter writes, all T logits, inductor's own kernels
+            for t, dims in ((input_ids, (0, 1)), (cache.k, (1, 3)), (cache.v, (1, 3)), (plan.positions, (0, 1)),
+                            (plan.columns, (0, 1)), (plan.mask, (0, 1, 2))):
+                for dim in dims:  # rows, new tokens and cache capacity vary: one graph for all of them
+                    torch._dynamo.maybe_mark_dynamic(t, dim)
+            out = self.compiled_forward(input_ids, cache.k, cache.v, plan.positions, plan.columns, plan.mask, None,
+                                        None, False, "torch")
+            out = out[:, -1:] if logits == "last" else out
+        else:
+            out = self.forward_tensors(input_ids, cache.k, cache.v, plan.positions, plan.columns, plan.mask, last_index,
+                                       plan.first_column, logits == "last", cache.backend)
         cache.advance(plan)
-        return self.lm_head(self.norm(h))
+        return out
+
+    def forward_tensors(self, input_ids, k, v, positions, columns, mask, last_index, first_column, last_only: bool,
+                        backend: str | None = None):
+        """The forward on tensors alone (what `compile_forward` captures): input_ids [B, T]; k/v caches
+        [L, B, H_kv, C, D], written in place; positions/columns [B, T]; mask [B, T, W]; last_index [B] or
+        None; first_column: a host int (contiguous slice write) or None (scatter at `columns` with the
+        kv_append kernel of `backend`)."""
+        B, T = input_ids.shape
+        cos, sin = self.rope(positions)
+        if self.batch_invariant:
+            attn_bias = numerics.row_keys(mask)  # the mask and each row's first key, once for all layers
+        else:
+            zero = torch.zeros((), dtype=self.dtype, device=input_ids.device)
+            attn_bias = torch.where(mask, zero, float("-inf"))[:, None]  # [B, 1, T, W], once for all layers
+        h = self.embed_tokens(input_ids)  # [B, T, E]
+        for layer, k_cache, v_cache in zip(self.layers, k, v):
+            h = layer(h, cos, sin, k_cache, v_cache, columns, attn_bias, first_column, backend)
+        if last_only:
+            if last_index is None:
+                h = h[:, -1:]  # [B, 1, E]
+            else:
+                h = h[torch.arange(B, device=h.device), last_index][:, None]  # [B, 1, E]
+        return numerics.linear(self.lm_head, self.norm(h), self.batch_invariant, backend)
+
+    def compile_forward(self, mode: str | None = None) -> "Transformer":
+        """Compile `forward_tensors` with torch.compile (inductor; `mode="reduce-overhead"` adds CUDA graphs
+        on GPUs). The batch, step-length and capacity dimensions are marked dynamic, so one compilation
+        serves every batch size and step length (a size of 1 gets its own graph, as torch.compile always
+        specialises it: at most four graphs per model); attention runs over the cache's full width so that
+        no shape depends on the rows' lengths. Results equal the eager forward's up to rounding (inductor's
+        float32 rsqrt/cos differ from eager's in the last bit; token-exact in float64 in our tests)."""
+        # emulate_precision_casts: round where eager rounds (RMSNorm's float32 pass), so the compiled
+        # forward computes what the eager one does instead of skipping the casts; inductor's own float32
+        # rsqrt/cos still differ from eager's in the last bit
+        self.compiled_forward = torch.compile(self.forward_tensors, mode=mode, fullgraph=True,
+                                              options={"emulate_precision_casts": True})
+        return self
 
     @torch.no_grad()
     def layer0_kv(self, token_ids, positions):
@@ -242,8 +330,33 @@ class Transformer(nn.Module):
         return k, v
 
     def fuse_(self) -> "Transformer":
-        """Fuse q/k/v and gate/up projections (fewer, larger matmuls); done by `load_model`."""
+        """Fuse q/k/v and gate/up projections (fewer, larger matmuls) of a model built unfused; `load_model`
+        instead builds the model fused and reads each projection straight into its rows."""
         for layer in self.layers:
             layer.self_attn.fuse_()
             layer.mlp.fuse_()
         return self
+
+
+def fusion_layout(cfg: ModelConfig) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+    """Where each HF projection lives in a model built with `fused=True`: checkpoint weight name (without
+    `model.`) -> (fused parameter name, first row, the weight's own shape), e.g. `layers.0.self_attn.k_proj.weight`
+    -> (`layers.0.self_attn.qkv_proj.weight`, H * D, (H_kv * D, E)). Empty for projections stored fused."""
+    with torch.device("meta"):
+        plain = (("self_attn", Attention(cfg)), ("mlp", MLP(cfg)))
+    layout = {}
+    for prefix, module in plain:
+        fused_name, parts = type(module).FUSED
+        if not hasattr(module, parts[0]):
+            continue  # the checkpoint stores it fused (GLM-4 gate_up_proj)
+        for kind in ("weight", "bias"):
+            row = 0
+            for part in parts:
+                tensor = getattr(getattr(module, part), kind)
+                if tensor is None:
+                    break
+                for i in range(cfg.num_layers):
+                    layout[f"layers.{i}.{prefix}.{part}.{kind}"] = (f"layers.{i}.{prefix}.{fused_name}.{kind}", row,
+                                                                    tuple(tensor.shape))
+                row += tensor.shape[0]
+    return layout

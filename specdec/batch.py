@@ -1,140 +1,173 @@
-"""The state shared by every strategy: the decoding context, and a batch of rows with their caches.
+"""The state shared by every strategy: the decoding context, and a batch of rows with their caches and
+their device-resident row state.
 
-Row i of a `Batch` runs `requests[i]`. Between steps, for every row:
-- the target cache holds all of the row's tokens but the last one (`length = len(sequence) - 1`): the
-  last token, already emitted, is fed at the next step;
-- the draft cache holds one token fewer (`length = target length - 1`): each draft step re-feeds the
-  last two tokens, which keeps the draft in step even when all k drafts were accepted (the k-th draft
-  was proposed but never fed through the draft) at the price of one extra column in one draft forward.
+Row i of a `Batch` runs `requests[i]`. Between steps, for every unfinished row with sequence s (prompt +
+emitted tokens):
+- `tokens[i, :len(s)]` holds s on the device and `seq_len[i] = len(s)` (what the next forward feeds is
+  gathered from there: nothing is rebuilt from Python lists per step);
+- the target cache holds s[:-1] (`length = len(s) - 1`): the last token, already emitted, is fed next;
+- the draft cache holds a prefix s[:len(s) - lag] with lag >= 2 (2 after a speculative step, one more
+  after each step that did not run the draft, k = 0). A speculative step's first draft forward feeds the
+  last T = max(lag) tokens of every row, re-writing the columns of tokens it already holds (identical
+  K/V), so one uniform forward covers every row whatever its lag, and the draft is always in step even
+  when all k drafts were accepted (the k-th draft is proposed but never fed through the draft).
+
+The host mirrors what it needs to plan a step -- the rows' sequence lengths (from the requests), cache
+lengths and starts (`KVCache.host_*`), which rows are greedy -- so a step never reads the device to plan
+the next forward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
+from specdec.models.cache import LEFT_PADDED, RAGGED
+
 from .metrics import PhaseTimer, RunMetrics
+from .options import EngineOptions
 from .request import Request
-from .sampling import probs_dtype, process_logits, sample_race
+from .sampling import RowParams, choose_tokens, probs_dtype
+
+
+class NonFiniteLogitsError(ValueError):
+    """The target produced NaN/inf logits: its output would be garbage (docs/api.md, failure behaviour)."""
 
 
 @dataclass
 class DecodeContext:
     target: object  # model protocol: forward(input_ids, cache, num_new=None, logits=...), new_cache(...)
     draft: object | None
-    num_speculative_tokens: int  # k (0 for AR)
+    options: EngineOptions
     vocab_size: int  # logits are cut to the shared vocabulary (embeddings may be padded)
     device: torch.device
     metrics: RunMetrics
     timer: PhaseTimer
-    check_invariants: bool = False
-    kernel_backend: str | None = None
+    target_name: str = "target"
+    chooser: object | None = None  # auto k: a `specdec.autok.KChooser`; None: fixed k
+    warned: set = field(default_factory=set)  # warnings already given in this run
+
+    @property
+    def k_max(self) -> int:
+        """The most drafts a step may propose (0 without a draft)."""
+        return self.options.k_max if self.draft is not None else 0
 
     @property
     def probs_dtype(self) -> torch.dtype:
         return probs_dtype(self.target.dtype) if hasattr(self.target, "dtype") else torch.float32
 
-
-@dataclass
-class RowParams:
-    """Per-row sampling parameters of a batch, as tensors [B]."""
-
-    greedy: torch.Tensor  # [B] bool
-    temperature: torch.Tensor  # [B]
-    top_k: torch.Tensor  # [B] int64
-    top_p: torch.Tensor  # [B]
-
-    @classmethod
-    def of(cls, requests: list[Request], device) -> "RowParams":
-        ps = [r.params for r in requests]
-        return cls(torch.tensor([p.greedy for p in ps], device=device),
-                   torch.tensor([p.temperature for p in ps], dtype=torch.float64, device=device),
-                   torch.tensor([p.top_k for p in ps], dtype=torch.int64, device=device),
-                   torch.tensor([p.top_p for p in ps], dtype=torch.float64, device=device))
-
     @property
-    def all_greedy(self) -> bool:
-        return bool(self.greedy.all())
+    def kernel_backend(self) -> str | None:
+        return self.options.kernel_backend
 
-    def probs(self, logits, dtype):
-        """Processed distributions of logits [B, V] (or [B, T, V], same params for every T)."""
-        if logits.dim() == 3:
-            B, T, V = logits.shape
-            rep = lambda t: t.repeat_interleave(T)  # noqa: E731
-            return process_logits(logits.reshape(B * T, V), rep(self.temperature), rep(self.top_k),
-                                  rep(self.top_p), dtype).view(B, T, V)
-        return process_logits(logits, self.temperature, self.top_k, self.top_p, dtype)
+    def step_done(self, rows: int, started: float) -> None:
+        """A strategy's step (of `rows` rows, begun at perf_counter() `started`) has ended: its wall time
+        feeds the auto-k cost model. Every step ends with a read of the device, so the time is complete."""
+        if self.chooser is not None:
+            seconds = time.perf_counter() - started
+            self.metrics.predicted_step_s += self.chooser.observe(seconds)
+            self.metrics.measured_step_s += seconds
 
+    def new_cache(self, model, batch_size: int, capacity: int, layout: str):
+        cache = model.new_cache(batch_size, capacity, layout)
+        cache.backend = self.kernel_backend
+        return cache
 
-def draw_noise(requests: list[Request], shape, device, dtype) -> torch.Tensor:
-    """Exp(1) noise [B, *shape] from each sampling request's own generator (ones for greedy rows)."""
-    rows = []
-    for r in requests:
-        if r.generator is None:
-            rows.append(torch.ones(shape, dtype=dtype, device=device))
-        else:
-            rows.append(torch.empty(shape, dtype=dtype, device=device).exponential_(generator=r.generator))
-    # an exact 0 (possible on CPU) would make p / e = 0/0 = NaN and let a zero-probability token win
-    return torch.stack(rows).clamp_(min=torch.finfo(dtype).tiny)
+    def raise_non_finite(self, request: Request, where: str) -> None:
+        raise NonFiniteLogitsError(
+            f"{self.target_name} produced non-finite logits (NaN or inf) for request {request.index} at "
+            f"{where} (after {len(request.output_ids)} generated tokens); check the checkpoint's weights "
+            f"(--check-weights) and the dtype")
 
 
-def draw_uniforms(requests: list[Request], k: int, device) -> torch.Tensor:
-    """Acceptance uniforms [B, k] float64 from each sampling request's own generator."""
-    rows = [torch.zeros(k, dtype=torch.float64, device=device) if r.generator is None
-            else torch.rand(k, dtype=torch.float64, device=device, generator=r.generator) for r in requests]
-    return torch.stack(rows)
-
-
-def choose_tokens(ctx: DecodeContext, requests: list[Request], logits) -> torch.Tensor:
-    """Next token per row from the target's logits [B, V]: argmax for greedy rows, a sample otherwise."""
-    tokens = logits.argmax(dim=-1)  # [B]
-    params = RowParams.of(requests, logits.device)
-    if not params.all_greedy:
-        probs = params.probs(logits, ctx.probs_dtype)  # [B, V]
-        noise = draw_noise(requests, (logits.shape[-1],), logits.device, probs.dtype)  # [B, V]
-        tokens = torch.where(params.greedy, tokens, sample_race(probs, noise))
-    return tokens
+def finite_rows(logits) -> torch.Tensor:
+    """[B] bool: every logit of the row ([B, V] or [B, T, V]) is finite."""
+    return torch.isfinite(logits).flatten(1).all(dim=1)
 
 
 class Batch:
-    """Rows decoded together, with the target's (and the draft's) KV cache of the same row order."""
+    """Rows decoded together: requests, the target's (and the draft's) KV cache of the same row order,
+    and the device row state (`tokens`, `seq_len`, `params`)."""
 
-    def __init__(self, requests: list[Request], target_cache, draft_cache=None):
+    def __init__(self, requests: list[Request], target_cache, draft_cache, tokens, seq_len, params: RowParams):
         self.requests = requests
         self.target_cache = target_cache
         self.draft_cache = draft_cache
+        self.tokens = tokens  # [B, C] int64: row i's sequence at columns 0..seq_len[i]-1
+        self.seq_len = seq_len  # [B] int64
+        self.params = params
+        self.written = None  # the columns the last step wrote (speculative.Written): exspec copies them back
 
     def __len__(self) -> int:
         return len(self.requests)
 
-    def last_tokens(self, n: int, device) -> torch.Tensor:
-        """The last n tokens of every row's sequence: [B, n] int64."""
-        return torch.tensor([r.last_tokens(n) for r in self.requests], dtype=torch.int64, device=device)
+    @property
+    def host_seq_len(self) -> list[int]:
+        return [r.sequence_length for r in self.requests]
 
     def caches(self):
         return [c for c in (self.target_cache, self.draft_cache) if c is not None]
 
+    def last_tokens(self, T: int, layout: str) -> torch.Tensor:
+        """The last T tokens of every row, gathered on the device: [B, T] int64. A row shorter than T is
+        padded on the layout's side (left-padded: at the front; ragged: at the back)."""
+        j = torch.arange(T, device=self.tokens.device)  # [T]
+        if layout == LEFT_PADDED:
+            index = (self.seq_len[:, None] - T + j).clamp(min=0)  # [B, T]
+        else:
+            index = (self.seq_len - T).clamp(min=0)[:, None] + j  # [B, T]
+        return self.tokens.gather(1, index)
+
+    def append(self, emitted, count) -> None:
+        """Append emitted tokens [B, n] (only the first `count` [B] of each row are real; -1 placeholders
+        after them) to the device sequences."""
+        n = emitted.shape[1]
+        columns = self.seq_len[:, None] + torch.arange(n, device=self.tokens.device)  # [B, n]
+        self.tokens.scatter_(1, columns, emitted.clamp(min=0))  # placeholders land past the end: unread
+        self.seq_len = self.seq_len + count
+
     def keep(self, rows: list[int]) -> None:
-        index = torch.tensor(rows, dtype=torch.int64, device=self.target_cache.length.device)
+        index = torch.tensor(rows, dtype=torch.int64, device=self.tokens.device)  # [b]
         for cache in self.caches():
-            cache.keep_rows(index)
+            cache.keep_rows(rows)
+        self.tokens = self.tokens.index_select(0, index)
+        self.seq_len = self.seq_len.index_select(0, index)
         self.requests = [self.requests[i] for i in rows]
+        self.params = row_params(self.requests, self.tokens.device)
 
     def load(self, slots: list[int], other: "Batch") -> None:
         """Put the rows of a freshly prefilled batch into `slots` (continuous batching)."""
-        index = torch.tensor(slots, dtype=torch.int64, device=self.target_cache.length.device)
-        self.target_cache.load_rows(index, other.target_cache)
+        self.target_cache.load_rows(slots, other.target_cache)
         if self.draft_cache is not None:
-            self.draft_cache.load_rows(index, other.draft_cache)
+            self.draft_cache.load_rows(slots, other.draft_cache)
+        index = torch.tensor(slots, dtype=torch.int64, device=self.tokens.device)  # [b]
+        width = other.tokens.shape[1]
+        self.tokens[index, :width] = other.tokens
+        self.seq_len[index] = other.seq_len
         for slot, request in zip(slots, other.requests):
             self.requests[slot] = request
+        self.params = row_params(self.requests, self.tokens.device)
 
-    def drop_finished(self) -> list[int]:
-        """Compact away finished rows; returns the kept row indices."""
-        keep = [i for i, r in enumerate(self.requests) if not r.finished]
-        if len(keep) < len(self.requests):
-            self.keep(keep)
-        return keep
+    def drop_finished(self) -> list[Request]:
+        """Compact away finished rows; returns the requests dropped."""
+        done = [r for r in self.requests if r.finished]
+        if done:
+            self.keep([i for i, r in enumerate(self.requests) if not r.finished])
+        return done
+
+
+def row_params(requests: list[Request], device) -> RowParams:
+    return RowParams.of([r.params for r in requests], [r.generator for r in requests], device)
+
+
+def commit_first_tokens(ctx: DecodeContext, requests: list[Request], readback: list[list[int]], where: str) -> None:
+    """Commit each row's token from a readback of [token, finite] rows."""
+    for r, (token, finite) in zip(requests, readback):
+        if not finite:
+            ctx.raise_non_finite(r, where)
+        kept = r.commit([token])
+        ctx.metrics.generated_tokens += kept
 
 
 def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: int) -> Batch:
@@ -143,18 +176,20 @@ def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: 
     lengths = [len(r.prompt_ids) for r in requests]
     width = max(lengths)
     ids = torch.zeros(len(requests), width, dtype=torch.int64)  # [B, W], 0 = padding (never attended)
+    tokens = torch.zeros(len(requests), max(capacity, width + 1), dtype=torch.int64)  # [B, C] the rows' sequences
     for i, r in enumerate(requests):
-        if layout == "left":
-            ids[i, width - lengths[i]:] = torch.tensor(r.prompt_ids)
+        prompt = torch.tensor(r.prompt_ids)
+        tokens[i, : lengths[i]] = prompt
+        if layout == LEFT_PADDED:
+            ids[i, width - lengths[i]:] = prompt
         else:
-            ids[i, : lengths[i]] = torch.tensor(r.prompt_ids)
+            ids[i, : lengths[i]] = prompt
     ids = ids.to(device)
-    num_new = torch.tensor(lengths, dtype=torch.int64, device=device)  # [B]
 
     def run(model):
-        cache = model.new_cache(len(requests), capacity, layout)
-        cache.set_prefill(num_new, width)
-        logits = model.forward(ids, cache, num_new=num_new, logits="last")[:, -1, : ctx.vocab_size]  # [B, V]
+        cache = ctx.new_cache(model, len(requests), capacity, layout)
+        cache.set_prefill(lengths, width)
+        logits = model.forward(ids, cache, num_new=lengths, logits="last")[:, -1, : ctx.vocab_size]  # [B, V]
         return cache, logits
 
     target_cache, logits = run(ctx.target)
@@ -162,16 +197,23 @@ def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: 
     draft_cache = None
     if ctx.draft is not None:
         draft_cache, _ = run(ctx.draft)
-        draft_cache.length = draft_cache.length - 1  # the draft lags one token (see module docstring)
+        # the draft lags by two tokens (see module docstring): the last prompt token is fed again next step
+        draft_cache.set_rows(length=draft_cache.length - 1, host_length=[n - 1 for n in lengths])
         ctx.metrics.draft_forwards += 1
-    tokens = choose_tokens(ctx, requests, logits).tolist()
-    for r, token in zip(requests, tokens):
-        kept = r.commit([token])
-        ctx.metrics.generated_tokens += kept
-        ctx.metrics.prefill_tokens += kept
-    return Batch(list(requests), target_cache, draft_cache)
+    batch = Batch(list(requests), target_cache, draft_cache, tokens.to(device),
+                  torch.tensor(lengths, dtype=torch.int64, device=device), row_params(requests, device))
+    first = choose_tokens(logits, batch.params, ctx.probs_dtype)  # [B]
+    batch.append(first[:, None], torch.ones_like(first))
+    readback = torch.stack([first, finite_rows(logits).to(torch.int64)], dim=1).tolist()  # the one sync
+    commit_first_tokens(ctx, requests, readback, "prefill")
+    ctx.metrics.prefill_tokens += len(requests)
+    return batch
 
 
-def required_capacity(requests: list[Request], k: int) -> int:
-    """Columns a cache needs so that any of these requests runs to max_tokens with k drafts in flight."""
-    return max(len(r.prompt_ids) + r.params.max_tokens for r in requests) + k + 1
+def required_capacity(requests: list[Request], k_max: int) -> int:
+    """Columns a cache needs so that any of these requests runs to max_tokens with k_max drafts in flight."""
+    return max(len(r.prompt_ids) + r.params.max_tokens for r in requests) + k_max + 1
+
+
+__all__ = ["Batch", "DecodeContext", "NonFiniteLogitsError", "LEFT_PADDED", "RAGGED", "finite_rows", "prefill",
+           "required_capacity", "row_params"]

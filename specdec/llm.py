@@ -10,7 +10,10 @@ import torch
 from specdec.models import CheckpointError, load_model, load_tokenizer
 
 from .batch import DecodeContext
+from .devices import engine_device
+from .autok import make_chooser, prepare_chooser
 from .metrics import PhaseTimer, RunMetrics
+from .options import AUTO, EngineOptions
 from .request import Request, RequestOutput
 from .sampling import SamplingParams, request_generator
 from .strategies import SPECULATIVE, STRATEGIES
@@ -33,35 +36,47 @@ class LLM:
 
     target, draft: checkpoint directories (Llama/Vicuna, Qwen3, GLM-4 in HF format) or model objects
     meeting the protocol of docs/api.md. method: "ar", "eqspec", "ragged" or "exspec".
+    num_speculative_tokens: k, or "auto" (default): chosen every step, 0..max_speculative_tokens, from
+    measured costs and each request's acceptance (docs/design.md).
     check_invariants: verify invariants I2-I6 after every step (default: $SPECDEC_CHECK_INVARIANTS).
+    compile: torch.compile the forwards (docs/api.md says what it costs). profile: time the phases of
+    every step (synchronises; off by default). The other options: docs/api.md.
     """
 
-    def __init__(self, target, draft=None, method: str = "eqspec", num_speculative_tokens: int = 5,
-                 batch_size: int = 8, dtype="float32", device="cpu", check_invariants: bool | None = None,
+    def __init__(self, target, draft=None, method: str = "eqspec", num_speculative_tokens: int | str = "auto",
+                 batch_size: int = 8, dtype="float32", device="auto", check_invariants: bool | None = None,
                  kernel_backend: str | None = None, window_size: int = 48, max_wait_steps: int = 8,
-                 tokenizer=None):
+                 tokenizer=None, check_weights: bool = False, max_speculative_tokens: int = 8,
+                 realign_cost_per_row: float = 0.175, fold_shift: bool = False, compile: bool | None = None,
+                 profile: bool = False, cost_cache: str | None = None):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         speculative = method in SPECULATIVE
-        if speculative and num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1 for method {method!r}, got {num_speculative_tokens}")
+        k = num_speculative_tokens
+        if speculative and k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"num_speculative_tokens must be 'auto' or an int >= 1 for method {method!r}, got {k!r}")
         if speculative and draft is None:
             raise ValueError(f"method {method!r} needs a draft model (draft=...)")
         if method == "exspec" and window_size < batch_size:
             raise ValueError(f"window_size ({window_size}) must be >= batch_size ({batch_size})")
-        self.method = method
-        self.k = num_speculative_tokens if speculative else 0
-        self.batch_size = batch_size
-        self.device = torch.device(device)
-        self.kernel_backend = kernel_backend
-        self.window_size = window_size
-        self.max_wait_steps = max_wait_steps
         if check_invariants is None:
             check_invariants = os.environ.get("SPECDEC_CHECK_INVARIANTS", "0") not in ("", "0")
-        self.check_invariants = check_invariants
+        if compile is None:  # $SPECDEC_COMPILE=1 runs a whole test suite compiled (docs/api.md)
+            compile = os.environ.get("SPECDEC_COMPILE", "0") not in ("", "0")
+        self.options = EngineOptions(
+            num_speculative_tokens=k if speculative else 0, max_speculative_tokens=max_speculative_tokens,
+            window_size=window_size, max_wait_steps=max_wait_steps, realign_cost_per_row=realign_cost_per_row,
+            fold_shift=fold_shift, kernel_backend=kernel_backend, compile=compile, profile=profile,
+            check_invariants=check_invariants, cost_cache=cost_cache)
+        self.method = method
+        self.k = self.options.num_speculative_tokens  # an int, or "auto"
+        self.batch_size = batch_size
+        self.device = engine_device(device, target)  # "auto": CUDA when available (or the model object's), else CPU
+        self.check_weights = check_weights  # scan loaded weights for NaN/inf (load_model(check_weights=...))
 
+        self._specs = (target, draft)  # what the models were loaded from (auto k caches costs per checkpoint)
         self.target = self._model(target, dtype)
         self.draft = self._model(draft, dtype) if speculative else None
         self.tokenizer = tokenizer
@@ -73,10 +88,24 @@ class LLM:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.max_context = min(self._max_positions(m) for m in (self.target, self.draft) if m is not None)
+        self.target_name = f"target {target}" if isinstance(target, (str, os.PathLike)) else "the target model"
+        if compile:
+            self._compile()
+        self.chooser = make_chooser(self) if self.options.auto_k else None
+
+    def _compile(self) -> None:
+        """torch.compile the forwards of our own models (CUDA: with CUDA graphs, "reduce-overhead")."""
+        mode = "reduce-overhead" if self.device.type == "cuda" else None
+        for model in (self.target, self.draft):
+            if model is None:
+                continue
+            if not hasattr(model, "compile_forward"):
+                raise ValueError(f"compile=True needs models with compile_forward(); {type(model).__name__} has none")
+            model.compile_forward(mode)
 
     def _model(self, spec, dtype):
         if isinstance(spec, (str, os.PathLike)):
-            return load_model(spec, dtype=dtype, device=self.device)
+            return load_model(spec, dtype=dtype, device=self.device, check_weights=self.check_weights)
         for attr in ("forward", "new_cache", "vocab_size"):
             if not hasattr(spec, attr):
                 raise TypeError(f"model object {type(spec).__name__} lacks {attr!r} (see docs/api.md, model protocol)")
@@ -132,10 +161,10 @@ class LLM:
                 raise ValueError(f"prompt {i} is empty (no tokens)")
             if max(ids) >= self.vocab_size or min(ids) < 0:
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size})")
-            need = len(ids) + params.max_tokens + self.k + 1
+            need = len(ids) + params.max_tokens + self.options.k_max + 1
             if need > self.max_context:
                 raise ValueError(
-                    f"prompt {i} has {len(ids)} tokens; with max_tokens={params.max_tokens} and k={self.k} it needs "
+                    f"prompt {i} has {len(ids)} tokens; with max_tokens={params.max_tokens} and k={self.options.k_max} it needs "
                     f"{need} positions but the model context is {self.max_context}")
             stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             generator = None if params.greedy else request_generator(params.seed, self.device)
@@ -143,28 +172,45 @@ class LLM:
         return prompts, requests
 
     @torch.inference_mode()
-    def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, use_tqdm: bool = False) -> Outputs:
-        """Generate for every prompt (text, or token ids via `prompt_token_ids`); outputs in prompt order."""
+    def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, use_tqdm: bool = False,
+                 on_output=None, batch_size: int | None = None) -> Outputs:
+        """Generate for every prompt (text, or token ids via `prompt_token_ids`); outputs in prompt order.
+
+        `on_output(RequestOutput)`, if given, is called for each request as soon as it finishes (in
+        completion order), e.g. to stream results to a file while the rest is still decoding.
+        `batch_size` overrides the LLM's for this call (e.g. to compare batch 1 with the same models)."""
+        batch_size = self.batch_size if batch_size is None else batch_size
+        if batch_size < 1 or (self.method == "exspec" and self.options.window_size < batch_size):
+            raise ValueError(f"batch_size must be >= 1 (and <= window_size for exspec), got {batch_size}")
         prompts, requests = self._requests(prompts, prompt_token_ids, sampling_params)
-        metrics = RunMetrics(self.method, self.batch_size, num_requests=len(requests))
-        ctx = DecodeContext(self.target, self.draft, self.k, self.vocab_size, self.device, metrics,
-                            PhaseTimer(metrics, self.device), self.check_invariants, self.kernel_backend)
+        metrics = RunMetrics(self.method, batch_size, num_requests=len(requests))
+        if self.chooser is not None and requests:
+            prepare_chooser(self, self.chooser, requests, *self._specs, batch_size)
+            self.chooser.start_run()
+        ctx = DecodeContext(self.target, self.draft, self.options, self.vocab_size, self.device, metrics,
+                            PhaseTimer(metrics, self.device, self.options.profile), self.target_name, self.chooser)
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
             bar = tqdm(total=len(requests), desc=f"{self.method} requests", unit="req", dynamic_ncols=True)
 
-        def progress(n: int) -> None:
-            if bar is not None and n:
-                bar.update(n)
+        outputs_by_index: dict[int, RequestOutput] = {}
+
+        def progress(finished: list[Request]) -> None:
+            for r in finished:
+                text = self.tokenizer.decode(r.output_ids) if self.tokenizer is not None else None
+                out = outputs_by_index[r.index] = RequestOutput.from_request(r, prompts[r.index] if prompts else None, text)
+                if on_output is not None:
+                    on_output(out)
+            if bar is not None and finished:
+                bar.update(len(finished))
                 bar.set_postfix(tokens=metrics.generated_tokens, refresh=False)
 
         t0 = time.perf_counter()
         for r in requests:
             r.submitted_at = t0
-        STRATEGIES[self.method].run(ctx, requests, self.batch_size, progress,
-                                    window_size=self.window_size, max_wait_steps=self.max_wait_steps)
+        STRATEGIES[self.method].run(ctx, requests, batch_size, progress)
         metrics.wall_time_s = time.perf_counter() - t0
         if bar is not None:
             bar.close()
@@ -172,7 +218,6 @@ class LLM:
         for r in requests:
             metrics.latencies_s.append((r.finished_at or t0) - r.submitted_at)
             metrics.ttfts_s.append((r.first_token_at or t0) - r.submitted_at)
-            text = self.tokenizer.decode(r.output_ids) if self.tokenizer is not None else None
-            outputs.append(RequestOutput.from_request(r, prompts[r.index] if prompts else None, text))
+            outputs.append(outputs_by_index[r.index])
         outputs.metrics = metrics
         return outputs

@@ -1,5 +1,5 @@
-"""Run metrics every strategy reports: throughput, acceptance, tokens per step, forward counts and the
-time split into draft / verify / accept / realign / other."""
+"""Run metrics every strategy reports: throughput, acceptance, tokens per step, forward counts, the k
+chosen at each step and, when profiling, the time split into draft / verify / accept / realign / other."""
 from __future__ import annotations
 
 import time
@@ -26,9 +26,17 @@ class RunMetrics:
     target_forwards: int = 0
     draft_forwards: int = 0
     grouped_steps: int = 0  # EXSPEC: steps whose batch needed no realignment
+    k_histogram: dict = field(default_factory=dict)  # k -> steps that proposed k drafts (0: target-only)
+    predicted_step_s: float = 0.0  # auto k: the cost model's predicted time of the steps it chose ...
+    measured_step_s: float = 0.0  # ... and their measured wall time
+    profiled: bool = False  # phase_time_s is filled only with profile=True (timing synchronises)
     phase_time_s: dict = field(default_factory=lambda: {p: 0.0 for p in PHASES})
     latencies_s: list = field(default_factory=list)
     ttfts_s: list = field(default_factory=list)
+
+    def record_step(self, k: int) -> None:
+        self.steps += 1
+        self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
 
     @property
     def tokens_per_s(self) -> float:
@@ -68,20 +76,28 @@ class RunMetrics:
             "mean_tokens_per_step": self.mean_tokens_per_step, "steps": self.steps,
             "target_forwards": self.target_forwards, "draft_forwards": self.draft_forwards,
             "realign_share": self.realign_share, "grouping_rate": self.grouping_rate,
-            "phase_time_s": dict(self.phase_time_s),
+            "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())},
+            "predicted_step_s": self.predicted_step_s, "measured_step_s": self.measured_step_s,
+            "phase_time_s": dict(self.phase_time_s) if self.profiled else None,
             "latency_s": self.latency_percentiles("latency"), "ttft_s": self.latency_percentiles("ttft"),
         }
 
 
 class PhaseTimer:
-    """Accumulates wall time per phase into `metrics.phase_time_s`; synchronises CUDA at boundaries."""
+    """Accumulates wall time per phase into `metrics.phase_time_s` when enabled (profiling), synchronising
+    CUDA at each boundary so the split is real; disabled, a phase costs nothing and never synchronises."""
 
-    def __init__(self, metrics: RunMetrics, device):
+    def __init__(self, metrics: RunMetrics, device, enabled: bool = False):
         self.metrics = metrics
         self.cuda = torch.device(device).type == "cuda"
+        self.enabled = enabled
+        metrics.profiled = enabled
 
     @contextmanager
     def phase(self, name: str):
+        if not self.enabled:
+            yield
+            return
         if self.cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -36,7 +36,10 @@ def read_prompts(path: str) -> list[str]:
         if isinstance(record, dict) and isinstance(record.get("prompt"), str):
             prompts.append(record["prompt"])
         elif isinstance(record, dict) and isinstance(record.get("turns"), list) and record["turns"]:
-            prompts.append(str(record["turns"][0]))
+            if not isinstance(record["turns"][0], str):
+                raise ValueError(f"{path}:{number}: 'turns'[0] must be a string, got "
+                                 f"{type(record['turns'][0]).__name__}")
+            prompts.append(record["turns"][0])
         else:
             raise ValueError(f"{path}:{number}: expected a 'prompt' string or a non-empty 'turns' list")
     if not prompts:

@@ -18,6 +18,7 @@ class Request:
     generator: torch.Generator | None = None  # None for greedy requests
     output_ids: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # drafts accepted at each of its verification steps
+    step_ks: list[int] = field(default_factory=list)  # k of every decoding step it took part in (0: target only)
     finish_reason: str | None = None  # "stop" | "length"
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -68,6 +69,7 @@ class RequestOutput:
     text: str | None
     finish_reason: str
     accepted_counts: list[int]  # drafts accepted per verification step (empty for AR)
+    speculative_tokens: list[int]  # k of every decoding step the request took part in (0: a target-only step)
     latency_s: float
     time_to_first_token_s: float
     max_wait_steps: int
@@ -75,5 +77,5 @@ class RequestOutput:
     @classmethod
     def from_request(cls, r: Request, prompt: str | None, text: str | None) -> "RequestOutput":
         return cls(r.index, prompt, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason,
-                   list(r.accepted), (r.finished_at or r.submitted_at) - r.submitted_at,
+                   list(r.accepted), list(r.step_ks), (r.finished_at or r.submitted_at) - r.submitted_at,
                    (r.first_token_at or r.submitted_at) - r.submitted_at, r.max_wait_steps)

@@ -1,97 +1,211 @@
-"""One speculative step on a batch: draft k tokens, verify k+1 positions in one target pass, accept
-per row (greedy or rejection sampling), commit, and fix the caches' lengths (and, in the left-padded
-layout, realign). Shared by the eqspec, ragged and exspec strategies."""
+"""One decoding step on a batch, shared by every strategy.
+
+A speculative step: draft k tokens, verify k+1 positions in one target pass, accept per row (greedy or
+rejection sampling), commit, fix both caches' lengths; the left-padded layout then realigns (the
+strategy's call). A target-only step (k = 0, and every AR step) feeds each row's last token once and
+emits one token; the draft skips it and catches up in its next forward (batch.py).
+
+A step reads the device once: one small tensor holding each row's emitted tokens, accepted count and
+finiteness flags, needed on the host for stop detection and request bookkeeping. Everything else the
+host needs to plan the next forward (lengths, widths, which rows sample) it already knows.
+"""
 from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
 
 import torch
 
 from specdec.kernels.realign import realign
 from specdec.kernels.rejection import rejection_sample
 
-from .batch import Batch, DecodeContext, RowParams, draw_noise, draw_uniforms
-from .sampling import sample_race
+from .batch import Batch, DecodeContext, finite_rows
+from .sampling import choose_tokens, draw_noise, draw_uniforms, sample_race
 
 
-def propose(ctx: DecodeContext, batch: Batch, params: RowParams, noise):
-    """k draft tokens per row: ([B, k] int64, [B, k, V] draft distributions or None when all greedy).
+@dataclass
+class Written:
+    """The cache columns a step wrote, per row as (first logical index, count): exspec copies just these
+    back into its pool."""
 
-    The first draft forward feeds the row's last two tokens (T = 2), the next k - 1 feed one each.
-    `noise`: [B, k+1, V] Exp(1) draws; column j samples the j-th draft of sampling rows.
+    target: list[tuple[int, int]]
+    draft: list[tuple[int, int]]
+
+
+def draft_window(seq_len: list[int], draft_length: list[int]) -> tuple[int, list[int]]:
+    """T, the tokens every row feeds in the first draft forward (the largest lag), and the real tokens
+    per row: min(T, len(sequence)) (a row shorter than T feeds its whole sequence, padded)."""
+    T = max(s - n for s, n in zip(seq_len, draft_length))
+    return T, [min(T, s) for s in seq_len]
+
+
+def draft_feed(batch: Batch) -> tuple[int, list[int]]:
+    """Rewind each row's draft length so that the first draft forward re-feeds the last T tokens (the
+    ones it holds rewrite identical K/V): one uniform forward whatever the rows' lags. Returns T and the
+    real tokens per row."""
+    cache = batch.draft_cache
+    seq = batch.host_seq_len
+    T, fed = draft_window(seq, cache.host_length)
+    cache.set_rows(length=(batch.seq_len - T).clamp(min=0), host_length=[s - f for s, f in zip(seq, fed)])
+    return T, fed
+
+
+def propose(ctx: DecodeContext, batch: Batch, k: int, noise):
+    """k draft tokens per row: ([B, k] int64, [B, k, V] draft distributions or None when all greedy,
+    [B] bool draft_ok: every draft distribution of the row was finite).
+
+    The first draft forward feeds each row's unseen tokens (T >= 2, see `draft_feed`), the next k - 1
+    one each. `noise`: [B, k+1, V] Exp(1) draws; column j samples the j-th draft of sampling rows.
     """
-    k, V = ctx.num_speculative_tokens, ctx.vocab_size
-    x = batch.last_tokens(2, ctx.device)  # [B, 2]
+    V, params, cache = ctx.vocab_size, batch.params, batch.draft_cache
+    T, fed = draft_feed(batch)
+    x = batch.last_tokens(T, cache.layout)  # [B, T]
+    num_new = None if all(f == T for f in fed) else fed
     drafts, probs = [], []
+    ok = torch.ones(len(batch), dtype=torch.bool, device=x.device)  # [B]
     for j in range(k):
-        logits = ctx.draft.forward(x, batch.draft_cache, logits="last")[:, -1, :V]  # [B, V]
+        logits = ctx.draft.forward(x, cache, num_new=num_new, logits="last")[:, -1, :V]  # [B, V]
+        ok &= finite_rows(logits)
         token = logits.argmax(dim=-1)  # [B]
         if noise is not None:
             q = params.probs(logits, ctx.probs_dtype)  # [B, V]
             token = torch.where(params.greedy, token, sample_race(q, noise[:, j]))
             probs.append(q)
         drafts.append(token)
-        x = token[:, None]  # [B, 1]
+        x, num_new = token[:, None], None  # [B, 1]
     ctx.metrics.draft_forwards += k
-    return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if probs else None)
+    return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if probs else None), ok
 
 
-def verify(ctx: DecodeContext, batch: Batch, draft_ids, params: RowParams):
-    """Target logits at the k+1 positions [B, k+1, V]: argmax [B, k+1] and probabilities (or None)."""
-    pending = batch.last_tokens(1, ctx.device)  # [B, 1]
+def verify(ctx: DecodeContext, batch: Batch, draft_ids):
+    """Target logits at the k+1 positions [B, k+1, V] -> argmax [B, k+1] (None when no row is greedy),
+    probabilities [B, k+1, V] (None when all rows are greedy), and [B] bool: the row's logits are finite."""
+    params = batch.params
+    pending = batch.last_tokens(1, batch.target_cache.layout)  # [B, 1]
     logits = ctx.target.forward(torch.cat([pending, draft_ids], dim=1), batch.target_cache)[..., : ctx.vocab_size]
     ctx.metrics.target_forwards += 1
-    target_argmax = logits.argmax(dim=-1) if bool(params.greedy.any()) else None  # [B, k+1]
+    target_argmax = logits.argmax(dim=-1) if params.any_greedy else None  # [B, k+1]
     target_probs = None if params.all_greedy else params.probs(logits, ctx.probs_dtype)  # [B, k+1, V]
-    return target_argmax, target_probs
+    return target_argmax, target_probs, finite_rows(logits)
 
 
-def accept(ctx: DecodeContext, batch: Batch, draft_ids, draft_probs, target_argmax, target_probs,
-           params: RowParams, uniforms, noise):
-    """Choose each row's emitted tokens, commit them, and set both caches' lengths."""
-    k = ctx.num_speculative_tokens
+def accept(ctx: DecodeContext, batch: Batch, k: int, draft_ids, draft_probs, draft_ok, target_argmax, target_probs,
+           target_ok, uniforms, noise):
+    """Choose each row's emitted tokens (rejection sampling), read them back (the step's one
+    synchronisation), commit them to the requests, and set both caches' lengths."""
+    params = batch.params
     output, num_accepted = rejection_sample(
         draft_ids, target_argmax, target_probs, draft_probs, params.greedy, uniforms,
-        None if noise is None else noise[:, k], backend=ctx.kernel_backend)  # [B, k+1], [B]
-    rows, counts = output.tolist(), num_accepted.tolist()
-    for request, row, a in zip(batch.requests, rows, counts):
+        None if noise is None else noise[:, k], backend=ctx.kernel_backend, draft_ok=draft_ok,
+        any_greedy=params.any_greedy, all_greedy=params.all_greedy)  # [B, k+1], [B]
+    batch.append(output, num_accepted + 1)
+    flags = torch.stack([num_accepted, target_ok.to(torch.int64), draft_ok.to(torch.int64)], dim=1)  # [B, 3]
+    readback = torch.cat([output, flags], dim=1).tolist()  # [B, k+4]: the step's one read of the device
+    seq_before = batch.host_seq_len
+    counts = []
+    for request, row in zip(batch.requests, readback):
+        a, finite, draft_finite = row[k + 1:]
+        if not finite:
+            ctx.raise_non_finite(request, f"decoding step {ctx.metrics.steps}")
+        if not draft_finite:
+            warn_once(ctx, "draft-non-finite",
+                      "the draft model produced non-finite logits; its drafts were rejected for those rows "
+                      "(the output is the target's own, at the cost of speed)")
         request.accepted.append(a)
+        request.step_ks.append(k)
         request.scheduled_steps += 1
         ctx.metrics.generated_tokens += request.commit(row[: a + 1])
+        counts.append(a)
+    if ctx.chooser is not None:
+        ctx.chooser.record_acceptance(batch.requests, k, counts)
     m = ctx.metrics
     m.proposed_drafts += k * len(counts)
     m.accepted_drafts += sum(counts)
     m.row_steps += len(counts)
-    # the verify pass cached the pending token and all k drafts: keep the pending one and the accepted
-    batch.target_cache.length = batch.target_cache.length - (k - num_accepted)
-    batch.draft_cache.length = batch.target_cache.length - 1
+    # the verify pass cached the pending token and all k drafts: keep the pending one and the accepted;
+    # the draft keeps the accepted drafts it has fed (all but the k-th): lag 2 (batch.py)
+    target, draft = batch.target_cache, batch.draft_cache
+    target.set_rows(length=target.length - (k - num_accepted),
+                    host_length=[s + a for s, a in zip(seq_before, counts)])
+    draft.set_rows(length=target.length - 1, host_length=[s + a - 1 for s, a in zip(seq_before, counts)])
+    return counts
+
+
+def warn_once(ctx: DecodeContext, key: str, message: str) -> None:
+    if key not in ctx.warned:
+        ctx.warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def realign_batch(ctx: DecodeContext, batch: Batch) -> None:
     """Left-padded layout: right-align every row at the longest row's edge (invariant I6), moving the
     target's and the draft's caches together (their rows share `start`)."""
     target, draft = batch.target_cache, batch.draft_cache
-    length = target.length  # [B]
-    new_start = length.max() - length  # [B]
+    longest = max(target.host_length)
+    new_host = [longest - n for n in target.host_length]
+    delta_host = [new - old for new, old in zip(new_host, target.host_start)]
+    if not any(delta_host):
+        return
+    new_start = longest - target.length  # [B]
     delta = new_start - target.start  # [B], may be negative
-    if bool((delta != 0).any()):
-        realign([(target.k, target.v), (draft.k, draft.v)], target.start, length, delta, backend=ctx.kernel_backend)
-    target.start = new_start
-    draft.start = new_start.clone()
+    caches = [(target.k, target.v)] + ([(draft.k, draft.v)] if draft is not None else [])
+    realign(caches, target.start, target.length, delta, backend=ctx.kernel_backend,
+            host=(target.host_start, target.host_length, delta_host))
+    target.set_rows(start=new_start, host_start=new_host)
+    if draft is not None:
+        draft.set_rows(start=new_start.clone(), host_start=list(new_host))
 
 
-def speculative_step(ctx: DecodeContext, batch: Batch) -> None:
-    """Draft, verify and accept one step for every row of `batch` (finished rows stay in place: the
-    strategy drops, refills or realigns them)."""
-    params = RowParams.of(batch.requests, ctx.device)
-    k = ctx.num_speculative_tokens
+def speculative_step(ctx: DecodeContext, batch: Batch, k: int) -> None:
+    """Draft, verify and accept one step of k drafts for every row of `batch` (finished rows stay in place:
+    the strategy drops, refills or realigns them)."""
+    params = batch.params
     noise = uniforms = None
+    seq = batch.host_seq_len
+    _, fed = draft_window(seq, batch.draft_cache.host_length)
+    # columns this step writes: the target's k + 1 verified ones, the draft's re-fed ones and k - 1 drafts
+    batch.written = Written([(s - 1, k + 1) for s in seq], [(s - f, f + k - 1) for s, f in zip(seq, fed)])
     with ctx.timer.phase("other"):
         if not params.all_greedy:  # each sampling request draws from its own stream, in a fixed order
-            uniforms = draw_uniforms(batch.requests, k, ctx.device)  # [B, k]
-            noise = draw_noise(batch.requests, (k + 1, ctx.vocab_size), ctx.device, ctx.probs_dtype)  # [B, k+1, V]
+            uniforms = draw_uniforms(params.generators, k, ctx.device)  # [B, k]
+            noise = draw_noise(params.generators, (k + 1, ctx.vocab_size), ctx.device, ctx.probs_dtype)  # [B, k+1, V]
     with ctx.timer.phase("draft"):
-        draft_ids, draft_probs = propose(ctx, batch, params, noise)
+        draft_ids, draft_probs, draft_ok = propose(ctx, batch, k, noise)
     with ctx.timer.phase("verify"):
-        target_argmax, target_probs = verify(ctx, batch, draft_ids, params)
+        target_argmax, target_probs, target_ok = verify(ctx, batch, draft_ids)
     with ctx.timer.phase("accept"):
-        accept(ctx, batch, draft_ids, draft_probs, target_argmax, target_probs, params, uniforms, noise)
-    ctx.metrics.steps += 1
+        accept(ctx, batch, k, draft_ids, draft_probs, draft_ok, target_argmax, target_probs, target_ok,
+               uniforms, noise)
+    ctx.metrics.record_step(k)
+
+
+def target_step(ctx: DecodeContext, batch: Batch) -> None:
+    """One token per row from the target alone (AR decoding, and k = 0 steps of speculative strategies)."""
+    batch.written = Written([(n, 1) for n in batch.target_cache.host_length], [])
+    with ctx.timer.phase("verify"):
+        pending = batch.last_tokens(1, batch.target_cache.layout)  # [B, 1]
+        logits = ctx.target.forward(pending, batch.target_cache)[:, -1, : ctx.vocab_size]  # [B, V]
+        ctx.metrics.target_forwards += 1
+    with ctx.timer.phase("accept"):
+        tokens = choose_tokens(logits, batch.params, ctx.probs_dtype)  # [B]
+        batch.append(tokens[:, None], torch.ones_like(tokens))
+        readback = torch.stack([tokens, finite_rows(logits).to(torch.int64)], dim=1).tolist()  # the one sync
+        for request, (token, finite) in zip(batch.requests, readback):
+            if not finite:
+                ctx.raise_non_finite(request, f"decoding step {ctx.metrics.steps}")
+            request.scheduled_steps += 1
+            request.step_ks.append(0)
+            ctx.metrics.generated_tokens += request.commit([token])
+        ctx.metrics.row_steps += len(readback)
+    ctx.metrics.record_step(0)
+
+
+def decode_step(ctx: DecodeContext, batch: Batch) -> int:
+    """One step of the batch with k chosen by the context (fixed, or auto); returns k. The strategy
+    reports the step's end (`ctx.step_done`) once its own part of the step (realignment) is done."""
+    k = ctx.k_max if ctx.chooser is None else ctx.chooser.choose(batch)
+    if k == 0:
+        target_step(ctx, batch)
+    else:
+        speculative_step(ctx, batch, k)
+    return k

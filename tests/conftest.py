@@ -5,6 +5,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("SPECDEC_CHECK_INVARIANTS", "1")
 
 import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# hypothesis profiles for tests that take their example count from the profile (tests/test_properties.py):
+# "ci" (default) is small and deterministic; `pytest --hypothesis-profile long` for a long random run
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("long", max_examples=400, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile("ci")
 
 # tiny models gain nothing from threads, and oversubscribed OpenMP threads crawl on a shared 2-core box
 torch.set_num_threads(1)

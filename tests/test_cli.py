@@ -2,8 +2,11 @@
 --compare-ar at 100% in float64, and the error cases (one line on stderr, non-zero exit, no output file)."""
 import json
 import os
+import signal
+import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -98,3 +101,137 @@ def test_help_explains_every_flag():
                  "--temperature", "--top-k", "--top-p", "--seed", "--dtype", "--device", "--output", "--compare-ar",
                  "--check-invariants", "--chat"):
         assert flag in result.stdout
+
+
+# --------------------------------------------------------------------------- issue 12: --output, signals, devices
+
+
+def quick_cli(*args, preexec_fn=None, timeout=300):
+    """The CLI without the per-step invariant checks (these tests are about files and signals)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", SPECDEC_CHECK_INVARIANTS="0")
+    return subprocess.run([sys.executable, "-m", "specdec.run", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, preexec_fn=preexec_fn)
+
+
+def many_prompts(root, n: int) -> str:
+    path = root / f"prompts{n}.txt"
+    path.write_text("\n".join(" ".join(f"w{(i * 5 + j) % 128}" for j in range(1 + i % 7)) for i in range(n)) + "\n")
+    return str(path)
+
+
+def pair_args(pair, *more):
+    target, draft, _ = pair
+    return ["--target", target, "--draft", draft, "--method", "ragged", "--batch-size", "2", "-k", "2",
+            "--no-progress", "--samples", "0", *more]
+
+
+def test_output_through_a_symlink_with_the_umask(pair, tmp_path, capsys):
+    """The link stays a link, its target gets the records in prompt order with the user's umask, no temporary
+    is left, and the summary says which device "auto" chose. (In-process, like the next two: main() is the CLI.)"""
+    import torch
+
+    from specdec.run import main
+
+    real, link = tmp_path / "real.jsonl", tmp_path / "link.jsonl"
+    os.symlink(real, link)
+    previous = os.umask(0o022)
+    try:
+        code = main(pair_args(pair, "--prompts", many_prompts(tmp_path, 5), "--max-tokens", "6", "--output", str(link)))
+    finally:
+        os.umask(previous)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert os.path.islink(link) and oct(os.stat(real).st_mode & 0o777) == oct(0o644)
+    assert [json.loads(line)["index"] for line in real.read_text().splitlines()] == [0, 1, 2, 3, 4]
+    assert sorted(os.listdir(tmp_path)) == ["link.jsonl", "prompts5.txt", "real.jsonl"]
+    assert f"device {'cuda' if torch.cuda.is_available() else 'cpu'} (auto)" in out
+
+
+def test_output_to_dev_stdout_streams_the_lines(pair, tmp_path, capfd):
+    from specdec.run import main
+
+    assert main(pair_args(pair, "--prompts", many_prompts(tmp_path, 4), "--max-tokens", "6",
+                          "--output", "/dev/stdout")) == 0
+    out, err = capfd.readouterr()
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert sorted(r["index"] for r in records) == [0, 1, 2, 3]
+    assert "streamed 4 requests to /dev/stdout" in out
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+def test_output_to_dev_full_is_one_line_and_the_device_survives(pair, tmp_path, capsys):
+    from specdec.run import main
+
+    assert main(pair_args(pair, "--prompts", many_prompts(tmp_path, 4), "--max-tokens", "6",
+                          "--output", "/dev/full")) == 2
+    assert capsys.readouterr().err == "specdec: error: --output /dev/full: cannot write (No space left on device)\n"
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
+
+
+def test_disk_full_part_way_keeps_the_finished_requests(pair, tmp_path):
+    """A file-size limit (what a full disk looks like to the writer) hit after a few requests: exit 2 with one
+    line naming the kept partial file, which holds exactly the lines it says."""
+    import resource
+
+    output = tmp_path / "out.jsonl"
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1500, 1500))  # noqa: E731
+    result = quick_cli(*pair_args(pair, "--prompts", many_prompts(tmp_path, 20), "--max-tokens", "12",
+                                  "--output", str(output)), preexec_fn=limit)
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1 and "--output" in line and "File too large" in line
+    kept = line.rsplit(" are in ", 1)[1]
+    count = int(line.split("; the ")[1].split(" request(s)")[0])
+    assert os.path.dirname(kept) == str(tmp_path) and not output.exists()
+    records = [json.loads(x) for x in open(kept).read().splitlines()[:count]]  # complete lines, then a torn one
+    assert count >= 1 and len({r["index"] for r in records}) == count
+
+
+@pytest.mark.parametrize("signum,code,word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
+def test_sigterm_and_ctrl_c_clean_up_with_one_line(pair, tmp_path, signum, code, word):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    output = out_dir / "out.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", SPECDEC_CHECK_INVARIANTS="0")
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.run", *pair_args(
+        pair, "--prompts", many_prompts(tmp_path, 400), "--max-tokens", "32", "--output", str(output))],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # wait until requests are being streamed to the partial file
+        partial = [n for n in os.listdir(out_dir) if n.endswith(".partial")]
+        if partial and os.path.getsize(out_dir / partial[0]) > 0:
+            break
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail("no request finished in time")
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"specdec: {word}")
+    assert os.listdir(out_dir) == []
+
+
+def test_check_weights_flag(pair, tmp_path, capsys):
+    """--check-weights passes a healthy pair (and says how long the scan took) and stops with one line naming
+    the file and key when a weight is NaN. In-process: no model decoding happens in the failing case."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specdec.run import main
+
+    target, draft, _ = pair
+    assert main(["--target", target, "--draft", draft, "--prompt", "w1 w2", "--max-tokens", "2", "--check-weights",
+                 "--no-progress", "--samples", "0", "--no-compare-ar"]) == 0
+    assert "Weights checked finite (no NaN/inf) in " in capsys.readouterr().out
+    broken = tmp_path / "draft"
+    shutil.copytree(draft, broken)
+    file = broken / "model.safetensors"
+    tensors = load_file(file)
+    tensors["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, file, metadata={"format": "pt"})
+    assert main(["--target", target, "--draft", str(broken), "--prompt", "w1", "--check-weights", "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert f"{file}: weight 'model.layers.0.mlp.up_proj.weight' has 1 non-finite value(s)" in err

@@ -7,6 +7,7 @@ import pytest
 
 from checkpoints import FAMILIES, make_pair
 from specdec import LLM, SamplingParams
+from test_autok import SCRIPT, ScriptedChooser
 
 K_VALUES = (1, 3, 5)
 BATCH_SIZES = (1, 2, 3, 8, 16)
@@ -74,3 +75,20 @@ def test_stops_exactly_like_ar(setup):
     for o, ref in zip(outs, expected):
         assert o.token_ids == ref.token_ids and o.finish_reason == ref.finish_reason
         assert len(o.token_ids) == 48 or o.token_ids[-1] in (stop, 2)
+
+
+@pytest.mark.parametrize("method", ["eqspec", "ragged", "exspec"])
+def test_auto_and_changing_k_equal_ar(setup, method):
+    """k chosen every step (auto), and k following a script that changes it every step with k = 0 steps
+    (the draft then catches up on the tokens it missed): still AR's tokens exactly."""
+    family, target, draft, prompts, reference = setup
+    for batch_size, scripted in ((3, True), (8, True), (8, False)):
+        llm = LLM(target, draft, method=method, num_speculative_tokens="auto", max_speculative_tokens=5,
+                  batch_size=batch_size, dtype="float64", check_invariants=True, cost_cache="")
+        if scripted:
+            llm.chooser = ScriptedChooser(SCRIPT, 5)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+        for o, ref in zip(outs, reference):
+            assert o.token_ids == ref, f"{family} {method} B={batch_size} scripted={scripted} request {o.index}"
+        if scripted:
+            assert outs.metrics.k_histogram.get(0, 0) > 0 and len(outs.metrics.k_histogram) >= 5

@@ -32,17 +32,9 @@ def ar(target, prompts, params=PARAMS):
     return [o.token_ids for o in outs]
 
 
-def exspec_llm(target, draft, k, batch_size, window_size, max_wait_steps=8):
+def exspec_llm(target, draft, k, batch_size, window_size, max_wait_steps=8, **options):
     return LLM(target, draft, method="exspec", num_speculative_tokens=k, batch_size=batch_size,
-               window_size=window_size, max_wait_steps=max_wait_steps, dtype="float64")
-
-
-@pytest.fixture
-def knobs():
-    """exspec's module settings (REALIGN_COST_PER_ROW, FOLD_SHIFT), restored after the test."""
-    saved = exspec.REALIGN_COST_PER_ROW, exspec.FOLD_SHIFT
-    yield exspec
-    exspec.REALIGN_COST_PER_ROW, exspec.FOLD_SHIFT = saved
+               window_size=window_size, max_wait_steps=max_wait_steps, dtype="float64", profile=True, **options)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -65,11 +57,10 @@ def check_metrics(outs, k, reference, max_wait_steps):
     assert m.target_forwards < m.generated_tokens
 
 
-def test_exspec_equals_ar(setup, knobs):
+def test_exspec_equals_ar(setup):
     family, target, draft, prompts, reference = setup
     for k, batch_size, window, max_wait, fold in CONFIGS[family]:
-        knobs.FOLD_SHIFT = fold
-        outs = exspec_llm(target, draft, k, batch_size, window, max_wait).generate(
+        outs = exspec_llm(target, draft, k, batch_size, window, max_wait, fold_shift=fold).generate(
             prompt_token_ids=prompts, sampling_params=PARAMS)
         assert [o.index for o in outs] == list(range(len(prompts)))
         for o, ref in zip(outs, reference):
@@ -107,7 +98,7 @@ def test_same_length_prompts_group(llama, monkeypatch):
     check_metrics(outs, 3, reference, 8)
 
 
-def test_all_different_lengths(llama, knobs):
+def test_all_different_lengths(llama):
     """No two prompts share a length: no group at the start, still exact (mixed, realigned batches)."""
     target, draft = llama
     rng = random.Random(2)
@@ -115,14 +106,14 @@ def test_all_different_lengths(llama, knobs):
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
     reference = ar(target, prompts)
     for fold in (False, True):
-        knobs.FOLD_SHIFT = fold
-        outs = exspec_llm(target, draft, 5, 4, 24, 3).generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+        outs = exspec_llm(target, draft, 5, 4, 24, 3, fold_shift=fold).generate(
+            prompt_token_ids=prompts, sampling_params=PARAMS)
         assert [o.token_ids for o in outs] == reference, f"fold={fold}"
         assert outs.metrics.grouped_steps < outs.metrics.steps
         check_metrics(outs, 5, reference, 3)
 
 
-def test_bounded_wait_adversarial(llama, knobs):
+def test_bounded_wait_adversarial(llama):
     """Many rows of one length (groups always available and preferred) and a few odd ones that only a
     mixed step or the wait bound would schedule: no row waits more than max_wait_steps, and the bound
     is what got them scheduled (some row waited exactly max_wait_steps)."""
@@ -133,9 +124,10 @@ def test_bounded_wait_adversarial(llama, knobs):
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
     params = SamplingParams(max_tokens=24)
     reference = ar(target, prompts, params)
-    knobs.REALIGN_COST_PER_ROW = float("inf")  # any group beats a mixed batch: the worst case for waits
+    worst = float("inf")  # realign cost: any group beats a mixed batch, the worst case for waits
     for max_wait in (0, 2):
-        outs = exspec_llm(target, draft, 3, 4, 48, max_wait).generate(prompt_token_ids=prompts, sampling_params=params)
+        outs = exspec_llm(target, draft, 3, 4, 48, max_wait, realign_cost_per_row=worst).generate(
+            prompt_token_ids=prompts, sampling_params=params)
         assert [o.token_ids for o in outs] == reference
         waits = [o.max_wait_steps for o in outs]
         assert max(waits) == max_wait, waits
@@ -189,15 +181,15 @@ def test_min_group_size():
     assert exspec.min_group_size(8, 100, 0.0) == 8 and exspec.min_group_size(8, 100, float("inf")) == 1
 
 
-def test_sampling_same_seed_same_output_any_batching(llama, knobs):
+def test_sampling_same_seed_same_output_any_batching(llama):
     target, draft = llama
     prompts = mixed_prompts(12, seed=5)
     params = [SamplingParams(max_tokens=24, temperature=0.9, top_k=40, top_p=0.95, seed=100 + i)
               for i in range(len(prompts))]
     runs = []
     for k, batch_size, window, fold in ((3, 2, 2, False), (3, 4, 12, True), (3, 8, 48, False)):
-        knobs.FOLD_SHIFT = fold
-        outs = exspec_llm(target, draft, k, batch_size, window).generate(prompt_token_ids=prompts, sampling_params=params)
+        outs = exspec_llm(target, draft, k, batch_size, window, fold_shift=fold).generate(
+            prompt_token_ids=prompts, sampling_params=params)
         runs.append([o.token_ids for o in outs])
     assert runs[0] == runs[1] == runs[2]
     assert runs[0] != ar(target, prompts, SamplingParams(max_tokens=24))  # really sampled, not greedy
@@ -219,4 +211,4 @@ def test_requests_that_stop_early(llama):
 def test_rejects_negative_max_wait(llama):
     target, draft = llama
     with pytest.raises(ValueError, match="max_wait_steps"):
-        exspec_llm(target, draft, 3, 2, 4, -1).generate(prompt_token_ids=[[5, 6]], sampling_params=PARAMS)
+        exspec_llm(target, draft, 3, 2, 4, -1)

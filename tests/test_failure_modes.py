@@ -80,14 +80,10 @@ def test_bonus_token_from_the_draft(pair, monkeypatch):
     propose, sample = speculative.propose, speculative.rejection_sample
     extra = {}
 
-    def propose_one_more(ctx, batch, params, noise):
-        ctx.num_speculative_tokens += 1
-        try:
-            ids, probs = propose(ctx, batch, params, noise)
-        finally:
-            ctx.num_speculative_tokens -= 1
+    def propose_one_more(ctx, batch, k, noise):
+        ids, probs, ok = propose(ctx, batch, k + 1, noise)  # noise has k + 1 columns: enough for k + 1 drafts
         extra["draft_bonus"] = ids[:, -1]  # the draft's guess after its k-th token
-        return ids[:, :-1], probs
+        return ids[:, :-1], None if probs is None else probs[:, :-1], ok
 
     def bonus_from_draft(draft_ids, *args, **kwargs):
         output, accepted = sample(draft_ids, *args, **kwargs)

@@ -261,6 +261,22 @@ def test_realign_random(data):
     _check_realign(caches, _t(start), _t(count), _t(delta), block_c=block_c)
 
 
+def test_realign_rows_cpu_path_equals_reference():
+    """The CPU path (one slice copy per moved row, given host lists) moves exactly what the reference moves,
+    for right, left, zero, overlapping and empty shifts."""
+    B, C = 6, 20
+    start, count, delta = [0, 5, 3, 10, 2, 7], [8, 6, 0, 10, 5, 4], [4, -5, 3, -10, 1, 0]
+    caches = _caches(TARGET_DRAFT, B, C, torch.float32, seed=3)
+    a = [(k.clone(), v.clone()) for k, v in caches]
+    b = [(k.clone(), v.clone()) for k, v in caches]
+    rea.realign(a, _t(start), _t(count), _t(delta), backend="torch", host=(start, count, delta))
+    rea.realign_reference(b, _t(start), _t(count), _t(delta))
+    for (ka, va), (kb, vb) in zip(a, b):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    with pytest.raises(ValueError, match="leaves the cache"):
+        rea.realign(a, _t(start), _t(count), _t(delta), backend="torch", host=(start, count, [4, -6, 3, -10, 1, 0]))
+
+
 # ----------------------------------------------------------------------------------------- rejection
 
 
@@ -326,6 +342,26 @@ def test_rejection_vocab_tile_boundaries(V, B, k):
 def test_rejection_random_dtypes(probs_dtype, noise_dtype):
     _check_rejection(**_sample_case(4, 3, 300, seed=3, greedy=False, probs_dtype=probs_dtype,
                                     noise_dtype=noise_dtype, sparse=True))
+
+
+@needs_triton
+@pytest.mark.parametrize("greedy", [None, True, False])
+def test_rejection_unusable_draft_accepts_nothing(greedy):
+    """draft_ok False (non-finite draft logits): no draft accepted, the next token is the target's own
+    (argmax, or a sample of p with q taken as 0), whatever the draft distribution holds (NaN here)."""
+    kw = _sample_case(4, 3, 300, seed=9, greedy=greedy)
+    ok = torch.tensor([True, False, True, False], device=DEVICE)
+    dp = kw["draft_probs"].clone()
+    dp[~ok] = float("nan")
+    out, n = _check_rejection(**{**kw, "draft_probs": dp}, draft_ok=ok)
+    assert n[~ok].tolist() == [0, 0]
+    rows = (~ok).nonzero().flatten()
+    for i in rows.tolist():
+        if kw["is_greedy"][i]:
+            assert out[i, 0] == kw["target_argmax"][i, 0]
+        else:  # the race over p alone
+            assert out[i, 0] == (kw["target_probs"][i, 0].double() / kw["noise"][i].double()).argmax()
+    assert (out[rows, 1:] == -1).all()
 
 
 @needs_triton

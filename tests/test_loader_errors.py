@@ -23,14 +23,16 @@ INDEX = "model.safetensors.index.json"
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
-    """Paths of a good single-file and a good sharded tiny Llama checkpoint, and a Qwen3 one."""
+    """Paths of a good single-file and a good sharded tiny Llama checkpoint, a Qwen3 and a GLM-4 one."""
     root = tmp_path_factory.mktemp("good")
     hf = build_hf_model("llama", seed=0)
     qwen = build_hf_model("qwen3", seed=0)
+    glm = build_hf_model("glm4", seed=0)
     return {
         "single": save_checkpoint(hf, root / "single"),
         "sharded": save_checkpoint(hf, root / "sharded", max_shard_size="20KB"),
         "qwen3": save_checkpoint(qwen, root / "qwen3"),
+        "glm4": save_checkpoint(glm, root / "glm4"),
     }
 
 
@@ -112,10 +114,18 @@ def test_unknown_architecture(ckpt):
         load_model(path)
 
 
-def test_no_architectures_key(ckpt):
+def test_no_architectures_key_uses_model_type(ckpt):
+    """As in transformers: without `architectures`, a supported `model_type` says what the model is."""
     path = ckpt()
+    reference = load_model(path, dtype="float64")
     edit_config(path, lambda raw: raw.pop("architectures"))
-    with pytest.raises(CheckpointError, match=named("config.json", "architectures")):
+    model = load_model(path, dtype="float64")
+    assert model.cfg == reference.cfg and model.cfg.family == "llama"
+    edit_config(path, lambda raw: raw.update(model_type="mistral"))
+    with pytest.raises(CheckpointError, match=named("config.json", "architectures", "'mistral'")):
+        load_model(path)
+    edit_config(path, lambda raw: raw.pop("model_type"))
+    with pytest.raises(CheckpointError, match=named("config.json", "architectures", "model_type")):
         load_model(path)
 
 
@@ -290,3 +300,136 @@ def test_index_bad_json(ckpt):
 
 def test_checkpoint_error_is_a_value_error():
     assert issubclass(CheckpointError, ValueError)
+
+
+# --------------------------------------------------------------------------- shard paths (issue 12, defect 8)
+
+
+def _move_shard_out(path, tmp_path, make_entry):
+    """Move one shard of a sharded checkpoint to a folder beside it and point the index at it via make_entry."""
+    index_path = os.path.join(path, INDEX)
+    with open(index_path) as f:
+        index = json.load(f)
+    shard = index["weight_map"]["model.norm.weight"]
+    outside = tmp_path / "elsewhere"
+    outside.mkdir(exist_ok=True)
+    shutil.move(os.path.join(path, shard), outside / shard)
+    entry = make_entry(str(outside / shard), shard)
+    index["weight_map"] = {k: (entry if v == shard else v) for k, v in index["weight_map"].items()}
+    with open(index_path, "w") as f:
+        json.dump(index, f)
+    return index_path, shard
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "absolute"])
+def test_shard_path_leaving_the_directory_is_refused(ckpt, tmp_path, kind):
+    path = ckpt("sharded")
+    make = (lambda abs_path, shard: f"../elsewhere/{shard}") if kind == "dotdot" else (lambda abs_path, shard: abs_path)
+    index_path, shard = _move_shard_out(path, tmp_path, make)
+    with pytest.raises(CheckpointError, match=named(index_path, shard, "outside the checkpoint directory")):
+        load_model(path)
+
+
+def test_shard_symlink_pointing_out_is_refused(ckpt, tmp_path):
+    path = ckpt("sharded")
+    index_path, shard = _move_shard_out(path, tmp_path, lambda abs_path, shard: shard)
+    os.symlink(tmp_path / "elsewhere" / shard, os.path.join(path, shard))
+    with pytest.raises(CheckpointError, match=named(index_path, shard, "outside the checkpoint directory")):
+        load_model(path)
+
+
+def test_symlinks_inside_the_directory_and_hf_cache_blobs_load(good, tmp_path):
+    """Symlinked shards are fine when they stay inside: in the directory itself, or in the blobs folder of a
+    Hugging Face cache snapshot (`<repo>/snapshots/<rev>/*` -> `../../blobs/<hash>`)."""
+    repo = tmp_path / "models--x--y"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, name in enumerate(sorted(os.listdir(good["sharded"]))):
+        shutil.copy(os.path.join(good["sharded"], name), blobs / f"blob{i}")
+        os.symlink(f"../../blobs/blob{i}", snapshot / name)
+    reference = load_model(good["sharded"], dtype="float64")
+    model = load_model(snapshot, dtype="float64")
+    for (name, a), (_, b) in zip(reference.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+# --------------------------------------------------------------------------- fused, in-place loading (defect 7)
+
+
+@pytest.mark.parametrize("kind", ["single", "sharded", "qwen3", "glm4"])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16"])
+def test_loaded_weights_are_the_files_converted(good, monkeypatch, kind, dtype):
+    """Every parameter, fused or not, holds exactly the file's tensors converted to `dtype` (q/k/v and gate/up
+    stacked in order), also when conversions go through many small staging chunks."""
+    from specdec.models import shard_reader
+
+    monkeypatch.setattr(shard_reader, "STAGING_BYTES", 80)  # 20 float32 values per chunk: rows split across chunks
+    path = good[kind]
+    files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
+    tensors = {}
+    for file in files:
+        tensors.update({k.removeprefix("model."): v for k, v in load_file(file).items()})
+    model = load_model(path, dtype=dtype)
+    target = getattr(torch, dtype)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for i in range(model.cfg.num_layers):
+        for fused, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                             ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+            for kind_ in ("weight", "bias"):
+                names = [f"layers.{i}.{fused.split('.')[0]}.{p}.{kind_}" for p in parts]
+                if all(n in tensors for n in names):
+                    tensors[f"layers.{i}.{fused}.{kind_}"] = torch.cat([tensors.pop(n) for n in names])
+    if model.cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
+    assert set(params) == set(tensors)
+    for name, p in params.items():
+        assert p.dtype == target and torch.equal(p, tensors[name].to(target)), name
+
+
+def test_fuse_after_unfused_load_equals_fused_load(good):
+    for kind in ("single", "glm4"):
+        fused = load_model(good[kind], dtype="float64")
+        later = load_model(good[kind], dtype="float64", fuse=False).fuse_()
+        a, b = fused.state_dict(), later.state_dict()
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --------------------------------------------------------------------------- --check-weights (defect 1, at load)
+
+
+def test_check_weights_names_a_nan_weight(ckpt):
+    path = ckpt()
+    key = "model.layers.1.self_attn.v_proj.weight"
+
+    def poison(tensors):
+        tensors[key][3, 5] = float("nan")
+        tensors[key][0, 0] = float("inf")
+
+    rewrite_weights(path, poison)
+    load_model(path)  # not checked: loads (the runtime guards against non-finite logits)
+    with pytest.raises(CheckpointError, match=named(os.path.join(path, SINGLE), repr(key), "2 non-finite")):
+        load_model(path, check_weights=True)
+
+
+def test_check_weights_catches_overflow_of_the_conversion(ckpt):
+    """A finite float32 weight too large for float16 becomes inf only after conversion: checked as loaded."""
+    path = ckpt()
+    key = "model.layers.0.mlp.down_proj.weight"
+    rewrite_weights(path, lambda t: t[key].__setitem__((0, 0), 1e6))
+    model = load_model(path, dtype="float32", check_weights=True)
+    assert model.weights_check_s is not None and model.weights_check_s >= 0
+    with pytest.raises(CheckpointError, match=named(repr(key), "non-finite", "float16")):
+        load_model(path, dtype="float16", check_weights=True)
+
+
+def test_count_non_finite_across_chunks_and_overflowing_sums(monkeypatch):
+    from specdec.models import loader
+
+    monkeypatch.setattr(loader, "FINITE_SCAN_ELEMENTS", 7)
+    x = torch.zeros(50, dtype=torch.bfloat16)
+    x[[3, 6, 7, 49]] = torch.tensor([float("nan"), float("inf"), -float("inf"), float("nan")], dtype=torch.bfloat16)
+    assert loader.count_non_finite(x.view(5, 10)) == 4
+    big = torch.full((50,), 60000.0, dtype=torch.float16)  # finite, but every chunk's float16 sum overflows
+    assert loader.count_non_finite(big) == 0

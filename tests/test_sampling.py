@@ -110,15 +110,22 @@ def exact_marginal(target_dir, prompt, steps):
     return weights.view(-1, V).sum(0)
 
 
-def test_speculative_sampling_matches_target_distribution(small_vocab_pair):
+@pytest.mark.parametrize("k", [2, "auto", "changing"])
+def test_speculative_sampling_matches_target_distribution(small_vocab_pair, k):
+    """Fixed k, automatic k, and k changing every step with k = 0 steps (ScriptedChooser)."""
+    from test_autok import ScriptedChooser
+
     target, draft = small_vocab_pair
     prompt = [1, 5, 7]
     n = 2000
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
-    llm = LLM(target, draft, method="ragged", num_speculative_tokens=2, batch_size=64, dtype="float64",
-              check_invariants=False)
+    llm = LLM(target, draft, method="ragged", num_speculative_tokens=2 if k == 2 else "auto", max_speculative_tokens=3,
+              batch_size=64, dtype="float64", check_invariants=False, cost_cache="")
+    if k == "changing":
+        llm.chooser = ScriptedChooser((2, 0, 3, 1), 3)
     outs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=params)
-    assert 0.2 < outs.metrics.acceptance_rate < 0.95
+    if k != "auto":  # auto may rightly choose k = 0 here (the two tiny models cost the same)
+        assert 0.2 < outs.metrics.acceptance_rate < 0.95
     V = 12
     for position in (1, 2):  # produced by speculative steps (position 0 comes from the prefill)
         exact = exact_marginal(target, prompt, position + 1)
@@ -144,3 +151,28 @@ def test_seed_fixes_output_whatever_the_batch(tmp_path_factory, method):
     mixed = run(3, [extra[0]] + params[::-1] + [extra[1]], [[9, 9]] + prompts[::-1] + [[4]])
     assert mixed[1:-1] == alone[::-1]
     assert len({tuple(t) for t in alone}) > 1
+
+
+def test_non_finite_draft_keeps_the_target_distribution(small_vocab_pair):
+    """A draft whose logits are NaN must not change the output distribution: its drafts are rejected and
+    the target's own sample stands (it used to turn every sampled token into token 0)."""
+    import warnings
+
+    from specdec.models import load_model
+
+    target, draft_dir = small_vocab_pair
+    draft = load_model(draft_dir, dtype="float64")
+    with torch.no_grad():
+        draft.lm_head.weight.fill_(float("nan"))
+    prompt, n, V = [1, 5, 7], 2000, 12
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+    llm = LLM(target, draft, method="ragged", num_speculative_tokens=2, batch_size=64, dtype="float64",
+              check_invariants=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        outs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=params)
+    assert outs.metrics.accepted_drafts == 0
+    for position in (1, 2):
+        exact = exact_marginal(target, prompt, position + 1)
+        empirical = torch.bincount(torch.tensor([o.token_ids[position] for o in outs]), minlength=V).double() / n
+        assert total_variation(empirical, exact) < 0.06, f"token {position}: TV {total_variation(empirical, exact):.3f}"

@@ -19,26 +19,23 @@ bound can never be broken.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 
 import torch
 
-from specdec.kernels.realign import realign
+from specdec.models.cache import KVCache
 
-from ..batch import Batch, DecodeContext, required_capacity
+from ..batch import LEFT_PADDED, RAGGED, Batch, DecodeContext, required_capacity, row_params
 from ..invariants import check_invariants
-from ..speculative import speculative_step
-from .continuous import admit
+from ..speculative import decode_step, realign_batch
+from .continuous import refill
 
-USES_DRAFT = True
-
-# One row's realignment time over a step's fixed cost (measured: docs/exspec.md); sets which groups are
-# worth a step (`min_group_size`). 0: only groups as large as a mixed batch; inf: any group.
-REALIGN_COST_PER_ROW = 0.175
-# Write a mixed batch's rows at their left-padded columns while gathering them, instead of realigning
-# the batch buffer afterwards (faster: the copy happens anyway; see docs/exspec.md). Off by default:
-# the fallback is the EQSPEC path, whose realignment the metrics report in phase "realign".
-FOLD_SHIFT = False
+# Settings (EngineOptions): `realign_cost_per_row`, one row's realignment time over a step's fixed cost
+# (measured: docs/exspec.md), sets which groups are worth a step (`min_group_size`); `fold_shift` writes
+# a mixed batch's rows at their left-padded columns while gathering them instead of realigning the batch
+# buffer afterwards (faster: the copy happens anyway). Off by default: the fallback is then the EQSPEC
+# path, whose realignment the metrics report in phase "realign".
 
 
 # ---------------------------------------------------------------------------------------------- schedule
@@ -109,30 +106,30 @@ def min_group_size(batch_size: int, live: int, realign_cost: float) -> int:
 
 # ------------------------------------------------------------------------------------------------- pool
 class Pool:
-    """`size` slots of target and draft KV state (ragged: start = 0), the requests in them and their
-    waits, and a `batch_size`-row buffer per model that a step runs on.
+    """`size` slots of target and draft KV state (ragged: start = 0) with the sequences of the requests in
+    them (`tokens` [size, C], `seq_len` [size], on the device) and their waits, and a `batch_size`-row
+    buffer per model that a step runs on.
 
-    Between steps, slot s holds `rows[s]`'s target cache (len(sequence) - 1 tokens at columns 0..) and
-    draft cache (one token fewer), exactly as a ragged Batch row would (see batch.py). Rows are moved with
-    one slice copy per row: on the CPU, index_select / index_put on these strided views take a slow path
-    (30x slower, docs/exspec.md). The buffers are zero-initialised and reused: a mixed batch's attention
-    reads (masked) padding columns, which must hold finite values, never torch.empty garbage.
+    Between steps, slot s holds `rows[s]`'s target cache (len(sequence) - 1 tokens at columns 0..) and its
+    draft cache (a shorter prefix, see batch.py), exactly as a ragged Batch row would. Rows are moved
+    with one slice copy per row: on the CPU, index_select / index_put on these strided views take a slow
+    path (30x slower, docs/exspec.md). The buffers are zero-initialised and reused: a mixed batch's
+    attention reads (masked) padding columns, which must hold finite values, never torch.empty garbage.
     """
 
-    def __init__(self, ctx: DecodeContext, size: int, capacity: int, batch_size: int, fold_shift: bool):
+    def __init__(self, ctx: DecodeContext, size: int, capacity: int, batch_size: int):
         self.ctx = ctx
-        self.k = ctx.num_speculative_tokens
-        self.fold_shift = fold_shift
-        self.target = ctx.target.new_cache(size, capacity, "ragged")
-        self.draft = ctx.draft.new_cache(size, capacity, "ragged")
+        self.fold_shift = ctx.options.fold_shift
+        self.target = ctx.new_cache(ctx.target, size, capacity, RAGGED)
+        self.draft = ctx.new_cache(ctx.draft, size, capacity, RAGGED)
         rows = min(batch_size, size)
-        self.buffers = (ctx.target.new_cache(rows, capacity, "left"), ctx.draft.new_cache(rows, capacity, "left"))
-        self.rows: list = [None] * size
-        self.waits: list[int] = [0] * size
-
-    @property
-    def device(self):
-        return self.target.length.device
+        self.buffers = (ctx.new_cache(ctx.target, rows, capacity, LEFT_PADDED),
+                        ctx.new_cache(ctx.draft, rows, capacity, LEFT_PADDED))
+        self.tokens = torch.zeros(size, capacity, dtype=torch.int64, device=ctx.device)  # [size, C]
+        self.seq_len = torch.zeros(size, dtype=torch.int64, device=ctx.device)  # [size]
+        self.rows: list = [None] * size  # the request in each slot
+        self.waits: list[int] = [0] * size  # steps since each slot's row was last scheduled
+        self.stepped: list[int] = []  # the slots of the batch in flight (set by gather, read by scatter)
 
     def free_slots(self) -> list[int]:
         return [s for s, r in enumerate(self.rows) if r is None]
@@ -141,16 +138,33 @@ class Pool:
         return [s for s, r in enumerate(self.rows) if r is not None]
 
     def target_lengths(self, slots: list[int]) -> list[int]:
-        return [self.rows[s].sequence_length - 1 for s in slots]
+        return [self.target.host_length[s] for s in slots]
+
+    def index(self, slots: list[int]) -> torch.Tensor:
+        return torch.tensor(slots, dtype=torch.int64, device=self.ctx.device)  # [g]
 
     def load(self, slots: list[int], fresh: Batch) -> None:
         """Copy a freshly prefilled (ragged) batch into free slots."""
-        index = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        self.target.load_rows(index, fresh.target_cache)
-        self.draft.load_rows(index, fresh.draft_cache)
+        self.target.load_rows(slots, fresh.target_cache)
+        self.draft.load_rows(slots, fresh.draft_cache)
+        index = self.index(slots)
+        self.tokens[index, : fresh.tokens.shape[1]] = fresh.tokens
+        self.seq_len[index] = fresh.seq_len
         for slot, request in zip(slots, fresh.requests):
             self.rows[slot] = request
             self.waits[slot] = 0
+
+    def _batch_cache(self, pool: KVCache, buf: KVCache, g: int, width: int, index, slots, offsets) -> KVCache:
+        """Rows `slots` of a pool cache copied into the first g rows of a buffer, at column offsets."""
+        k, v = buf.k[:, :g, :, :width], buf.v[:, :g, :, :width]  # [L, g, H_kv, width, D] views
+        lengths = [pool.host_length[s] for s in slots]
+        for i, (slot, n, o) in enumerate(zip(slots, lengths, offsets)):
+            k[:, i, :, o:o + n].copy_(pool.k[:, slot, :, :n])
+            v[:, i, :, o:o + n].copy_(pool.v[:, slot, :, :n])
+        cache = KVCache(k, v, torch.tensor(offsets, dtype=torch.int64, device=self.ctx.device),
+                        pool.length.index_select(0, index), LEFT_PADDED, offsets, lengths)
+        cache.backend = pool.backend
+        return cache
 
     def gather(self, slots: list[int], grouped: bool) -> Batch:
         """The rows of `slots` as a left-padded Batch in the buffers. Equal lengths: start = 0, nothing to
@@ -159,94 +173,84 @@ class Pool:
         g, ctx = len(slots), self.ctx
         lengths = self.target_lengths(slots)
         longest = max(lengths)
-        width = longest + self.k + 1  # room for the verify pass's k + 1 columns
+        width = longest + ctx.k_max + 1  # room for the verify pass's k + 1 columns
         fold = self.fold_shift and not grouped
         offsets = [longest - n for n in lengths] if fold else [0] * g
+        index = self.index(slots)
         with ctx.timer.phase("realign" if fold else "other"):
-            kv = []
-            for pool, buf in zip((self.target, self.draft), self.buffers):
-                k, v = buf.k[:, :g, :, :width], buf.v[:, :g, :, :width]  # [L, g, H_kv, width, D] views
-                for i, (slot, n, o) in enumerate(zip(slots, lengths, offsets)):
-                    k[:, i, :, o:o + n].copy_(pool.k[:, slot, :, :n])
-                    v[:, i, :, o:o + n].copy_(pool.v[:, slot, :, :n])
-                kv.append((k, v))
-        length = torch.tensor(lengths, dtype=torch.int64, device=self.device)  # [g]
-        start = torch.tensor(offsets, dtype=torch.int64, device=self.device)  # [g]
-        make = type(self.target)
-        batch = Batch([self.rows[s] for s in slots], make(*kv[0], start, length, "left"),
-                      make(*kv[1], start.clone(), length - 1, "left"))
+            target = self._batch_cache(self.target, self.buffers[0], g, width, index, slots, offsets)
+            draft = self._batch_cache(self.draft, self.buffers[1], g, width, index, slots, offsets)
+        requests = [self.rows[s] for s in slots]
+        batch = Batch(requests, target, draft, self.tokens.index_select(0, index), self.seq_len.index_select(0, index),
+                      row_params(requests, ctx.device))
         if not grouped and not fold:
             with ctx.timer.phase("realign"):
-                shift = length.max() - length  # [g]
-                realign(kv, start, length, shift, backend=ctx.kernel_backend)
-                batch.target_cache.start = shift
-                batch.draft_cache.start = shift.clone()
-        self.stepped, self.before = slots, lengths
+                realign_batch(ctx, batch)
+        self.stepped = slots
         return batch
 
     def scatter(self, batch: Batch) -> None:
-        """Copy back the k + 2 columns per row the step may have written (the draft's from its old length
-        on, the target's from one further), undoing the left padding."""
-        n = self.k + 2
-        start = batch.target_cache.start.tolist()
+        """Copy back what the step wrote (`batch.written`: the columns of each cache, per row), undoing
+        the left padding, and the rows' sequences and lengths."""
+        index = self.index(self.stepped)
         with self.ctx.timer.phase("other"):
-            for pool, step in ((self.target, batch.target_cache), (self.draft, batch.draft_cache)):
-                for i, (slot, length) in enumerate(zip(self.stepped, self.before)):
-                    src, dst = start[i] + length - 1, length - 1
-                    pool.k[:, slot, :, dst:dst + n].copy_(step.k[:, i, :, src:src + n])
-                    pool.v[:, slot, :, dst:dst + n].copy_(step.v[:, i, :, src:src + n])
+            for pool, step, written in ((self.target, batch.target_cache, batch.written.target),
+                                        (self.draft, batch.draft_cache, batch.written.draft)):
+                for i, (slot, (first, n)) in enumerate(zip(self.stepped, written)):
+                    src = step.host_start[i] + first
+                    pool.k[:, slot, :, first:first + n].copy_(step.k[:, i, :, src:src + n])
+                    pool.v[:, slot, :, first:first + n].copy_(step.v[:, i, :, src:src + n])
+                pool.length.index_copy_(0, index, step.length)
+                for slot, n in zip(self.stepped, step.host_length):
+                    pool.host_length[slot] = n
+            self.tokens.index_copy_(0, index, batch.tokens)
+            self.seq_len.index_copy_(0, index, batch.seq_len)
 
     def view(self, slots: list[int]) -> Batch:
         """A copy of the rows of `slots` as a ragged Batch, for the invariant checks."""
-        index = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        length = torch.tensor(self.target_lengths(slots), dtype=torch.int64, device=self.device)
-        zeros = torch.zeros_like(length)
-        make = type(self.target)
-        target, draft = ((c.k.index_select(1, index), c.v.index_select(1, index)) for c in (self.target, self.draft))
-        return Batch([self.rows[s] for s in slots], make(*target, zeros, length, "ragged"),
-                     make(*draft, zeros.clone(), length - 1, "ragged"))
+        index = self.index(slots)
+        caches = []
+        for c in (self.target, self.draft):
+            host = [c.host_length[s] for s in slots]
+            caches.append(KVCache(c.k.index_select(1, index), c.v.index_select(1, index),
+                                  torch.zeros_like(index), c.length.index_select(0, index), RAGGED, [0] * len(slots), host))
+        requests = [self.rows[s] for s in slots]
+        return Batch(requests, *caches, self.tokens.index_select(0, index), self.seq_len.index_select(0, index),
+                     row_params(requests, self.ctx.device))
 
 
 # -------------------------------------------------------------------------------------------------- run
-def run(ctx: DecodeContext, requests, batch_size: int, progress, window_size: int = 48, max_wait_steps: int = 8,
-        realign_cost: float | None = None, fold_shift: bool | None = None, **_) -> None:
-    if max_wait_steps < 0:
-        raise ValueError(f"max_wait_steps must be >= 0, got {max_wait_steps}")
+def run(ctx: DecodeContext, requests, batch_size: int, progress) -> None:
     if not requests:
         return
-    fold_shift = FOLD_SHIFT if fold_shift is None else fold_shift
-    if realign_cost is None:  # folded into the gather, a mixed batch's realignment costs nothing extra
-        realign_cost = 0.0 if fold_shift else REALIGN_COST_PER_ROW
-    size = min(pool_limit(window_size, batch_size, max_wait_steps), len(requests))
-    pool = Pool(ctx, size, required_capacity(requests, ctx.num_speculative_tokens), batch_size, fold_shift)
+    options = ctx.options
+    # folded into the gather, a mixed batch's realignment costs nothing extra
+    realign_cost = 0.0 if options.fold_shift else options.realign_cost_per_row
+    size = min(pool_limit(options.window_size, batch_size, options.max_wait_steps), len(requests))
+    pool = Pool(ctx, size, required_capacity(requests, ctx.k_max), batch_size)
     queue = deque(requests)
     while True:
-        free = pool.free_slots()
-        with ctx.timer.phase("prefill"):
-            while free and queue:  # refill (a request may finish at its first token: admit skips it)
-                fresh = admit(ctx, queue, len(free), 0, progress)
-                if fresh is None:
-                    break
-                pool.load(free[: len(fresh)], fresh)
-                free = free[len(fresh):]
+        refill(ctx, queue, pool.free_slots(), pool.load, progress)
         live = pool.live_slots()
         if not live:
             return
         with ctx.timer.phase("other"):
             lengths = pool.target_lengths(live)
             waits = [pool.waits[s] for s in live]
-            chosen, grouped = schedule(lengths, waits, batch_size, max_wait_steps,
+            chosen, grouped = schedule(lengths, waits, batch_size, options.max_wait_steps,
                                        min_group_size(batch_size, len(live), realign_cost))
             slots = [live[i] for i in chosen]
+        started = time.perf_counter()
         batch = pool.gather(slots, grouped)
-        speculative_step(ctx, batch)
+        decode_step(ctx, batch)
         pool.scatter(batch)
+        ctx.step_done(len(slots), started)
         ctx.metrics.grouped_steps += grouped
         with ctx.timer.phase("other"):
             unfinished = [s for s in slots if not pool.rows[s].finished]
-            if ctx.check_invariants and unfinished:
+            if options.check_invariants and unfinished:
                 check_invariants(ctx, pool.view(unfinished))
-            stepped, done = set(slots), 0
+            stepped, done = set(slots), []
             for s in pool.live_slots():
                 request = pool.rows[s]
                 if s in stepped:
@@ -256,5 +260,5 @@ def run(ctx: DecodeContext, requests, batch_size: int, progress, window_size: in
                     request.max_wait_steps = max(request.max_wait_steps, pool.waits[s])
                 if request.finished:
                     pool.rows[s] = None
-                    done += 1
+                    done.append(request)
         progress(done)

@@ -4,11 +4,8 @@ beyond the paper: realignment costs nothing."""
 from __future__ import annotations
 
 from ..batch import DecodeContext
-from ..speculative import speculative_step
 from .continuous import run_continuous
 
-USES_DRAFT = True
 
-
-def run(ctx: DecodeContext, requests, batch_size: int, progress, **_) -> None:
-    run_continuous(ctx, requests, batch_size, speculative_step, progress)
+def run(ctx: DecodeContext, requests, batch_size: int, progress) -> None:
+    run_continuous(ctx, requests, batch_size, progress)

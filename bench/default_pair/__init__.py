@@ -1,0 +1,28 @@
+"""Trainer of specdec's default target/draft pair (specdec/assets/default_pair/), CPU-only and reproducible.
+
+1. data.py: the Python standard library's own *.py files, a fixed sorted list; every 20th file is held out
+   (losses, prompts). A SentencePiece BPE tokenizer (Llama-style ids, byte fallback, exact round-trip of code).
+2. train.py, target: a LlamaForCausalLM trained with AdamW + cosine on BOS-prefixed windows.
+3. train.py, greedy pool: the trained target's greedy continuations of real prefixes, with its top-k next-token
+   probabilities at every position: exactly what greedy speculative decoding asks the draft to predict.
+4. train.py, draft: a much shallower LlamaForCausalLM trained on the pool only (cross-entropy against the
+   target's top-k distribution and against its argmax), so distillation needs no target forward.
+5. evaluate.py: held-out losses of the saved bfloat16 pair, teacher-forced agreement, and greedy speculative
+   decoding simulated at batch 1 (acceptance at k = 5, tokens per target call) on the held-out prompts and,
+   with --specbench, on SpecBench prompts.
+6. report.py: docs/default_pair.md from template.md, every number of the run; the JSON beside it.
+
+Step and sequence counts are fitted to the --minutes-* budgets on the machine that runs it (the machine may be
+shared), unless given with --target-steps / --pool-seqs / --draft-steps: then a run is deterministic given
+--seed, up to floating-point nondeterminism of multi-threaded CPU kernels.
+
+The shipped pair (from the repository root; about 90 minutes on two CPU cores):
+
+    python -m bench.default_pair --specbench /path/to/spec_bench/question.jsonl
+
+Smoke test (about a minute, writes only under /tmp):
+
+    python -m bench.default_pair --out /tmp/dp/pair --prompts-out /tmp/dp/prompts.txt --doc /tmp/dp/doc.md \\
+        --results /tmp/dp/results.json --max-chars 300000 --target-steps 4 --pool-seqs 8 --pool-batch 4 \\
+        --pool-new-tokens 16 --draft-steps 4 --eval-windows 8 --num-prompts 4 --new-tokens 16
+"""

@@ -1,0 +1,124 @@
+"""The phases in order: data and tokenizer, target, greedy pool, draft, save, evaluate the saved pair, report."""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import checkpoint, data, evaluate, report, train
+from .train import log
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(args, command: str) -> dict:
+    import sentencepiece as spm
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t_start = time.time()
+    times = {}
+
+    corpus = data.Corpus.load(Path(args.stdlib), args.holdout_every, args.max_chars)
+    t0 = time.time()
+    sp_model = data.train_tokenizer(corpus.train_texts, args.vocab_size, args.threads)
+    sp = spm.SentencePieceProcessor(model_proto=sp_model)
+    newline = sp.piece_to_id("<0x0A>")
+    train_stream = data.token_stream(sp, corpus.train_texts)
+    held_stream = data.token_stream(sp, corpus.held_texts)
+    times["tokenizer"] = time.time() - t0
+    log(f"{len(corpus.files)} files: {len(corpus.train_texts)} train ({len(train_stream):,} tokens), "
+        f"{len(corpus.held_texts)} held out ({len(held_stream):,} tokens); tokenizer {times['tokenizer']:.0f} s")
+
+    data.write_prompts(args.prompts_out, data.extract_prompts(corpus.held_texts, args.num_prompts))
+    prompts = data.read_prompt_file(args.prompts_out)
+    bench_prompts = data.read_prompt_file(args.specbench, args.specbench_count) if args.specbench else []
+
+    # target
+    target_arch, draft_arch = checkpoint.parse_arch(args.target_arch), checkpoint.parse_arch(args.draft_arch)
+    target = checkpoint.build_model(checkpoint.llama_config(target_arch, sp.get_piece_size(), args.ctx), args.seed)
+    windows = data.Windows(train_stream, newline, args.ctx, args.seed + 2)
+    log(f"target: {checkpoint.n_params(target) / 1e6:.2f}M parameters, {len(windows):,} training windows")
+    train_target = train.train_loop(
+        "target", target, train.window_batches(windows, args.batch_target), train.lm_loss,
+        train.TrainConfig(args.batch_target, args.lr_target, args.warmup_target, args.weight_decay, args.clip,
+                          args.minutes_target, args.target_steps, args.log_every))
+    times["target"] = train_target["seconds"]
+    target.requires_grad_(False)
+
+    # greedy pool, then the draft
+    pool = train.generate_pool(
+        target, windows, seqs=args.pool_seqs, minutes=args.minutes_pool, batch=args.pool_batch,
+        new_tokens=args.pool_new_tokens, prefix_range=(args.pool_prefix_min, args.pool_prefix_max),
+        top_k=args.pool_top_k, seed=args.seed + 3)
+    times["pool"] = pool.seconds
+    draft = checkpoint.build_model(checkpoint.llama_config(draft_arch, sp.get_piece_size(), args.ctx), args.seed + 1)
+    log(f"draft: {checkpoint.n_params(draft) / 1e6:.2f}M parameters; pool {len(pool)} sequences, "
+        f"{pool.generated_tokens:,} generated tokens ({pool.seconds:.0f} s)")
+    batches = train.PoolBatches(pool, args.batch_draft, args.seed + 4)
+    train_draft = train.train_loop(
+        "draft", draft, batches, train.make_distill_loss(pool, args.distill_alpha),
+        train.TrainConfig(args.batch_draft, args.lr_draft, args.warmup_draft, args.weight_decay, args.clip,
+                          args.minutes_draft, args.draft_steps, args.log_every))
+    times["draft"] = train_draft["seconds"]
+
+    # save (bfloat16), then evaluate what was saved
+    t_dir, d_dir = args.out / "target", args.out / "draft"
+    checkpoint.save_checkpoint(target, t_dir, sp_model)
+    checkpoint.save_checkpoint(draft, d_dir, sp_model)
+    log(f"saved {t_dir} and {d_dir}")
+    t0 = time.time()
+    target, draft = checkpoint.load_saved(t_dir), checkpoint.load_saved(d_dir)
+    tok_check = checkpoint.check_tokenizers(t_dir, sp, corpus.held_texts)
+    held_windows = data.Windows(held_stream, newline, args.ctx, args.seed).evenly_spaced(args.eval_windows)
+    heldout = evaluate.heldout_eval(target, draft, held_windows)
+    log(f"held-out: {heldout}")
+    prompt_ids = [[data.BOS] + sp.encode(p) for p in prompts]
+    spec_held, outputs = evaluate.speculative_acceptance(target, draft, prompt_ids, args.k, args.new_tokens)
+    log(f"held-out prompts: {spec_held}")
+    spec = {"heldout": spec_held}
+    if bench_prompts:
+        bench_ids = [[data.BOS] + sp.encode(p) for p in bench_prompts]
+        spec["specbench"] = evaluate.speculative_acceptance(target, draft, bench_ids, args.k, args.new_tokens)[0]
+        spec["specbench"]["prompt_tokens_median"] = int(np.median([len(p) for p in bench_ids]))
+        log(f"SpecBench prompts: {spec['specbench']}")
+    greedy_agreement = evaluate.agreement_on_greedy(target, draft, prompt_ids, outputs)
+    times["eval"] = time.time() - t0
+    times["total"] = time.time() - t_start
+
+    shipped = sorted(p for p in args.out.rglob("*") if p.is_file()) + [args.prompts_out]
+    results = {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "command": command,
+        "env": {"python": platform.python_version(), "torch": torch.__version__,
+                "transformers": transformers.__version__, "sentencepiece": spm.__version__,
+                "cpu": platform.processor() or platform.machine()},
+        "data": {"stdlib": str(corpus.root), "n_files": len(corpus.files), "n_train": len(corpus.train_texts),
+                 "n_held": len(corpus.held_texts), "total_chars": corpus.total_chars,
+                 "held_chars": sum(map(len, corpus.held_texts)), "train_chars": sum(map(len, corpus.train_texts)),
+                 "file_cap": corpus.file_cap, "train_tokens": int(len(train_stream)),
+                 "held_tokens": int(len(held_stream)), "train_windows": len(windows), "n_prompts": len(prompts)},
+        "spm_settings": dict(data.SPM_SETTINGS, vocab_size=args.vocab_size),
+        "target_arch": target_arch, "draft_arch": draft_arch,
+        "target_params": checkpoint.n_params(target), "draft_params": checkpoint.n_params(draft),
+        "target_bytes": (t_dir / "model.safetensors").stat().st_size,
+        "draft_bytes": (d_dir / "model.safetensors").stat().st_size,
+        "pair_bytes": sum(p.stat().st_size for p in shipped[:-1]),
+        "prompts_file": report.display_path(args.prompts_out, REPO),
+        "train_target": train_target, "train_draft": train_draft, "pool_passes": batches.passes,
+        "pool": {"seqs": len(pool), "generated_tokens": pool.generated_tokens, "tokens": int(pool.lengths.sum()),
+                 "seconds": times["pool"]},
+        "heldout": heldout, "spec": spec, "greedy_agreement": greedy_agreement, "near_tie": evaluate.NEAR_TIE,
+        "tok_check": tok_check, "times": times, "files": report.file_rows(shipped, REPO),
+        "samples": [prompts[i] + sp.decode(outputs[i]) for i in range(min(3, len(prompts)))],
+    }
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(results, indent=2) + "\n")
+    report.write(args.doc, results)
+    log(f"wrote {args.doc} and {args.results}; total {times['total'] / 60:.1f} min")
+    return results

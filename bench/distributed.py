@@ -1,0 +1,179 @@
+"""Scale-out on Ray, measured: 2 replicas x 1 torch thread vs 1 process x 2 torch threads, and what Ray costs
+to start.
+
+Both sides decode the same prompts with the same settings (greedy, `ignore_eos`, a fixed number of new
+tokens: both generate exactly the same number of tokens), on the embedded default pair unless --target /
+--draft say otherwise:
+
+- single: one `LLM` in this process with 2 torch threads; model load and `generate` timed apart.
+- ray:    a fresh local Ray instance (2 CPUs, no dashboard), then `specdec.distributed.stream_job` (what
+          `python -m specdec.run --ray` runs) with 2 replicas of 1 CPU and 1 torch thread each. The job's
+          wall time includes the replicas' start-up (a process each: imports, model load) and Ray Data's.
+- empty:  the same Ray job on 2 prompts x 1 new token (a block for each replica), right before it: what a
+          job costs before it decodes.
+
+One repeat = ray.init (timed), the empty job, the ray job, ray.shutdown, then the single-process run;
+--repeats of them back to back, so machine load hits both sides alike. Reported: medians with min-max of
+
+- tokens/s: single (generate only, and load + generate), ray end to end (job wall), and ray while
+  decoding: tokens / (the replicas' summed time inside `generate` / 2), i.e. without start-up and hand-overs;
+- the ratios ray / single, computed per repeat (side by side) and then the median;
+- Ray start-up: ray.init of a local instance; the empty job's wall; the ray job's first block;
+- the share of requests whose tokens equal the single run's (float32: block composition differs, so
+  near-tied logits may flip; float64 is exact, see tests/test_distributed.py).
+
+    python bench/distributed.py                                  # default pair, 64 prompts x 64 tokens, 3 repeats
+    python bench/distributed.py --num-prompts 128 --repeats 5 --out /tmp/distributed.json
+"""
+from __future__ import annotations
+
+import os
+
+# Small per-token forwards on a shared, oversubscribed CPU are far slower with OpenMP's spin-waiting
+# (as in bench/throughput.py); Ray's replicas inherit this from the local instance started here.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import platform  # noqa: E402
+import shlex  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from specdec import LLM, SamplingParams, distributed  # noqa: E402
+from specdec.prompts import DEFAULT_DRAFT, DEFAULT_PROMPTS, DEFAULT_TARGET, read_prompts  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--num-prompts", type=int, default=64, help="the built-in prompts, cycled to this many")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--method", default="eqspec")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=5)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--block-size", type=int, default=16, help="prompts per Ray block")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", help="write the raw measurements as JSON here")
+    return p.parse_args(argv)
+
+
+def llm_kwargs(args, device="cpu") -> dict:
+    return dict(target=args.target, draft=args.draft, method=args.method,
+                num_speculative_tokens=args.num_speculative_tokens, batch_size=args.batch_size, dtype=args.dtype,
+                device=device)
+
+
+def run_single(args, prompts: list[str]) -> dict:
+    torch.set_num_threads(2)
+    t0 = time.perf_counter()
+    llm = LLM(**llm_kwargs(args))
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+    generate_s = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in out)
+    return {"load_s": load_s, "generate_s": generate_s, "tokens": tokens, "token_ids": [o.token_ids for o in out]}
+
+
+def run_ray_job(ray, args, prompts: list[str], max_tokens: int, block_size: int) -> dict:
+    chunks, total = distributed.plan_chunks(prompts, None, None, block_size)
+    placement = distributed.place_replicas("cpu", 2, ray.cluster_resources(), strict=True, blocks=len(chunks))
+    replica_kwargs = dict(llm_kwargs=llm_kwargs(args), threads=1,
+                          sampling=dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    t0 = time.perf_counter()
+    job = distributed.stream_job(ray, chunks, total, replica_kwargs, placement, progress=False, samples=total)
+    wall_s = time.perf_counter() - t0
+    assert job.errors == 0 and len(job.samples) == total
+    return {"wall_s": wall_s, "first_block_s": job.first_block_s, "tokens": job.metrics.generated_tokens,
+            "decode_tps": job.decode_tokens_per_s, "utilisation": job.utilisation,
+            "token_ids": [row["token_ids"] for row in job.samples]}
+
+
+def one_repeat(ray, args, prompts: list[str]) -> dict:
+    t0 = time.perf_counter()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
+             logging_level=logging.ERROR)
+    init_s = time.perf_counter() - t0
+    try:
+        empty = run_ray_job(ray, args, prompts[:2], max_tokens=1, block_size=1)  # one block per replica
+        job = run_ray_job(ray, args, prompts, args.max_tokens, args.block_size)
+    finally:
+        ray.shutdown()
+    single = run_single(args, prompts)
+    assert job["tokens"] == single["tokens"] == len(prompts) * args.max_tokens
+    same = sum(a == b for a, b in zip(job.pop("token_ids"), single.pop("token_ids"))) / len(prompts)
+    tokens = single["tokens"]
+    return {
+        "ray_init_s": init_s, "empty_job_s": empty["wall_s"], "ray_job_s": job["wall_s"],
+        "ray_first_block_s": job["first_block_s"], "single_load_s": single["load_s"],
+        "single_generate_s": single["generate_s"], "tokens": tokens, "same_tokens": same,
+        "single_tps": tokens / single["generate_s"],
+        "single_tps_with_load": tokens / (single["load_s"] + single["generate_s"]),
+        "ray_tps": tokens / job["wall_s"], "ray_decode_tps": job["decode_tps"], "ray_utilisation": job["utilisation"],
+    }
+
+
+def spread(values: list[float], fmt: str = "{:.1f}") -> str:
+    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ray = distributed.import_ray()
+    base = read_prompts(DEFAULT_PROMPTS)
+    prompts = [base[i % len(base)] for i in range(args.num_prompts)]
+    command = "python bench/distributed.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    load_before = os.getloadavg()
+    repeats = []
+    for r in range(args.repeats):
+        repeats.append(one_repeat(ray, args, prompts))
+        print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{k} {v:.2f}" for k, v in repeats[-1].items()),
+              file=sys.stderr, flush=True)
+    load_after = os.getloadavg()
+
+    def col(name):
+        return [x[name] for x in repeats]
+
+    ratio_e2e = [x["ray_tps"] / x["single_tps"] for x in repeats]
+    ratio_decode = [x["ray_decode_tps"] / x["single_tps"] for x in repeats]
+    print(f"`{command}`\n")
+    print(f"{args.num_prompts} prompts x {args.max_tokens} new tokens (ignore_eos), {args.method}, batch "
+          f"{args.batch_size}, k {args.num_speculative_tokens}, {args.dtype}; pair {args.target} / {args.draft}; "
+          f"Ray blocks of {args.block_size} prompts; {args.repeats} repeats, median (min-max). "
+          f"torch {torch.__version__}, ray {ray.__version__}, Python {platform.python_version()}, "
+          f"{os.cpu_count()} CPUs; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after.\n")
+    print("| | tokens/s | ratio to 1 process x 2 threads (same repeat) |")
+    print("|---|---|---|")
+    print(f"| 1 process x 2 threads (generate) | {spread(col('single_tps'))} | 1 |")
+    print(f"| 1 process x 2 threads (load + generate) | {spread(col('single_tps_with_load'))} | |")
+    print(f"| 2 Ray replicas x 1 thread, end to end (job wall) | {spread(col('ray_tps'))} | "
+          f"{spread(ratio_e2e, '{:.2f}')} |")
+    print(f"| 2 Ray replicas x 1 thread, while decoding (tokens / replicas' generate time) | "
+          f"{spread(col('ray_decode_tps'))} | {spread(ratio_decode, '{:.2f}')} |")
+    print()
+    print("| Ray start-up | seconds |")
+    print("|---|---|")
+    print(f"| ray.init, local instance (2 CPUs, no dashboard) | {spread(col('ray_init_s'), '{:.2f}')} |")
+    print(f"| empty job (2 prompts x 1 token: replicas start, load the pair) | "
+          f"{spread(col('empty_job_s'), '{:.2f}')} |")
+    print(f"| first block of the ray job | {spread(col('ray_first_block_s'), '{:.2f}')} |")
+    print(f"| (replicas decoding, share of the ray job) | {spread(col('ray_utilisation'), '{:.0%}')} |")
+    print(f"| single process: LLM load | {spread(col('single_load_s'), '{:.2f}')} |")
+    print(f"\nrequests with the same tokens as the single run: {spread(col('same_tokens'), '{:.0%}')}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": command, "args": vars(args), "load": [load_before, load_after],
+                       "repeats": repeats}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

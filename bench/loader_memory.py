@@ -1,0 +1,202 @@
+"""Peak memory of `load_model`: the loader now (fused buffers filled in place, one staging chunk) against the
+loader of an earlier revision, by default 5fd8984, the last one before issue 12 (`git show REV:models/...`:
+it converted every tensor, then fused q/k/v and gate/up with torch.cat).
+
+    python bench/loader_memory.py --shape qwen3-0.6b --dir /tmp/loader-mem [--keep]
+
+builds a random checkpoint of that shape with safetensors' file format written tensor by tensor (no model
+in memory), then loads it in a fresh subprocess per (loader, dtype, repeat), interleaved. Each subprocess
+reports `ru_maxrss` after importing (baseline), after `load_model` returned, and after reading every weight
+once (what the model costs when it runs: the zero-copy bf16 weights are memory-mapped and only become
+resident when read). The driver never imports torch and builds the checkpoint in a subprocess too: on
+Linux a child inherits its parent's peak RSS through fork, so a large driver would hide the children's.
+Model bytes = the bytes of the loaded parameters. The checkpoint is deleted at the end unless --keep.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SHAPES = {  # Qwen3 dense checkpoints (config.json of the Hugging Face releases)
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
+}
+BEFORE_MODULES = ("loader", "transformer", "config", "errors", "cache")
+
+
+def checkpoint_shapes(c: dict) -> dict[str, list[int]]:
+    E, I, V, D = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    H, Hkv = c["num_attention_heads"], c["num_key_value_heads"]
+    shapes = {"model.embed_tokens.weight": [V, E], "model.norm.weight": [E]}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": [E], p + "post_attention_layernorm.weight": [E],
+                       p + "self_attn.q_proj.weight": [H * D, E], p + "self_attn.k_proj.weight": [Hkv * D, E],
+                       p + "self_attn.v_proj.weight": [Hkv * D, E], p + "self_attn.o_proj.weight": [E, H * D],
+                       p + "self_attn.q_norm.weight": [D], p + "self_attn.k_norm.weight": [D],
+                       p + "mlp.gate_proj.weight": [I, E], p + "mlp.up_proj.weight": [I, E],
+                       p + "mlp.down_proj.weight": [E, I]})
+    return shapes  # tied embeddings: no lm_head.weight
+
+
+def build_checkpoint(directory: str, shape: str) -> int:
+    """config.json + model.safetensors (bf16, N(0, 0.02), norms 1) written one tensor at a time; returns bytes."""
+    import torch
+
+    c = SHAPES[shape]
+    os.makedirs(directory, exist_ok=True)
+    config = dict(c, architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=True,
+                  max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu",
+                  torch_dtype="bfloat16", eos_token_id=2, bos_token_id=1)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    shapes = checkpoint_shapes(c)
+    header, offset = {}, 0
+    for key, s in shapes.items():
+        n = 2 * int(torch.tensor(s).prod())
+        header[key] = {"dtype": "BF16", "shape": s, "data_offsets": [offset, offset + n]}
+        offset += n
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    g = torch.Generator().manual_seed(0)
+    with open(os.path.join(directory, "model.safetensors"), "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        for key, s in shapes.items():
+            t = torch.ones(s) if key.endswith("norm.weight") else torch.randn(s, generator=g) * 0.02
+            f.write(t.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return os.path.getsize(os.path.join(directory, "model.safetensors"))
+
+
+def head_loader_package(root: str, revision: str) -> str:
+    """`revision`'s models/ as package `models_head` under `root` (forward-only imports stubbed out)."""
+    package = os.path.join(root, "models_head")
+    os.makedirs(package, exist_ok=True)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in BEFORE_MODULES:
+        text = subprocess.run(["git", "show", f"{revision}:models/{name}.py"], cwd=repo, capture_output=True, text=True,
+                              check=True).stdout
+        text = text.replace("from specdec.kernels.kv_append import kv_append", "kv_append = None")
+        text = text.replace("from specdec.kernels.positions import StepPlan, step_plan", "StepPlan = step_plan = None")
+        text = text.replace("from specdec.kernels.positions import StepPlan", "StepPlan = None")
+        with open(os.path.join(package, f"{name}.py"), "w") as f:
+            f.write(text)
+    open(os.path.join(package, "__init__.py"), "w").close()
+    return root
+
+
+def measure(loader: str, directory: str, dtype: str) -> dict:
+    """In this (fresh) process: load once, report peak RSS at each stage."""
+    import torch
+
+    def peak_mib() -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+    if loader == "head":
+        from models_head.loader import load_model
+    else:
+        from specdec.models import load_model
+    import torch._dynamo  # noqa: F401  (load_state_dict pulls it in, and with it libtriton: not model memory)
+
+    torch.ones(1).sum()
+    baseline = peak_mib()
+    t0 = time.perf_counter()
+    model = load_model(directory, dtype=dtype, **({"check_weights": True} if loader == "check" else {}))
+    load_s = time.perf_counter() - t0
+    after_load = peak_mib()
+    params = {id(p): p for p in model.parameters()}
+    model_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    checksum = sum(float(chunk.double().sum()) for p in params.values()
+                   for chunk in p.reshape(-1).split(1 << 22))  # reads every weight once; 32 MiB temporaries
+    after_touch = peak_mib()
+    return {"loader": loader, "dtype": dtype, "baseline_mib": baseline, "after_load_mib": after_load,
+            "after_touch_mib": after_touch, "model_mib": model_bytes / 2**20, "load_s": load_s, "checksum": checksum,
+            "check_s": getattr(model, "weights_check_s", None)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "specdec-loader-memory"))
+    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--loaders", default="head,now", help="head = the loader of --before, now = this tree's, "
+                   "check = this tree's with check_weights=True (the NaN/inf scan, timed)")
+    p.add_argument("--before", default="5fd8984", help="git revision whose loader is 'head'")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoint")
+    p.add_argument("--reuse", action="store_true", help="use the checkpoint a --keep run left in --dir")
+    p.add_argument("--measure", nargs=3, metavar=("LOADER", "DIR", "DTYPE"), help=argparse.SUPPRESS)
+    p.add_argument("--build", nargs=2, metavar=("DIR", "SHAPE"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.measure:
+        print(json.dumps(measure(*args.measure)))
+        return
+    if args.build:
+        print(build_checkpoint(*args.build))
+        return
+
+    print("command: python " + " ".join(sys.argv))
+    print(f"load average before: {os.getloadavg()}")
+    ckpt = os.path.join(args.dir, args.shape)
+    t0 = time.perf_counter()
+    file = os.path.join(ckpt, "model.safetensors")
+    if args.reuse and os.path.exists(file):
+        build = [sys.executable, "-c", f"import os; print(os.path.getsize({file!r}))"]
+    else:
+        build = [sys.executable, __file__, "--build", ckpt, args.shape]
+    # in a subprocess, like every measurement: Linux carries a process's peak RSS (ru_maxrss) into the children
+    # it forks, so this driver must stay small (it never imports torch)
+    size = int(subprocess.run(build, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    print(f"built {ckpt}: model.safetensors {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.0f} s")
+    pkg_root = head_loader_package(os.path.join(args.dir, "head"), args.before)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pkg_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    results = []
+    try:
+        for repeat in range(args.repeats):
+            for dtype in args.dtypes.split(","):
+                for loader in args.loaders.split(","):  # interleaved
+                    out = subprocess.run([sys.executable, __file__, "--measure", loader, ckpt, dtype], env=env,
+                                         capture_output=True, text=True, check=True).stdout
+                    r = json.loads(out.strip().splitlines()[-1])
+                    results.append(r)
+                    scan = f", of which the NaN/inf scan {r['check_s']:.2f} s" if r["check_s"] is not None else ""
+                    print(f"  repeat {repeat} {loader:5} {dtype:8}: baseline {r['baseline_mib']:.0f} MiB, peak after "
+                          f"load {r['after_load_mib']:.0f} MiB, after reading all weights {r['after_touch_mib']:.0f} "
+                          f"MiB, model {r['model_mib']:.0f} MiB, load {r['load_s']:.1f} s{scan}", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(args.dir, ignore_errors=True)
+    print(f"\nload average after: {os.getloadavg()}")
+    print("| loader | dtype | model MiB | peak after load − baseline (× model) | peak after reading weights − "
+          "baseline (× model) | load s |")
+    print("|---|---|---|---|---|---|")
+    for dtype in args.dtypes.split(","):
+        for loader in args.loaders.split(","):
+            rs = [r for r in results if r["loader"] == loader and r["dtype"] == dtype]
+            model = rs[0]["model_mib"]
+            load = [r["after_load_mib"] - r["baseline_mib"] for r in rs]
+            touch = [r["after_touch_mib"] - r["baseline_mib"] for r in rs]
+            secs = [r["load_s"] for r in rs]
+            print(f"| {args.before if loader == 'head' else loader} | {dtype} | {model:.0f} | "
+                  f"{statistics.median(load):.0f} ({statistics.median(load) / model:.2f}×, range "
+                  f"{min(load) / model:.2f}–{max(load) / model:.2f}) | {statistics.median(touch):.0f} "
+                  f"({statistics.median(touch) / model:.2f}×, range {min(touch) / model:.2f}–"
+                  f"{max(touch) / model:.2f})"
+                  f" | {statistics.median(secs):.1f} |")
+    for dtype in args.dtypes.split(","):
+        sums = {r["loader"]: f"{r['checksum']:.6g}" for r in results if r["dtype"] == dtype}
+        print(f"sum of all weights, {dtype}: {sums}")
+
+
+if __name__ == "__main__":
+    main()

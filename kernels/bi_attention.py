@@ -1,0 +1,188 @@
+"""Batch-invariant attention over a KV cache: a query's output depends only on the query and on its row's
+visible keys, bit for bit, not on how many queries share the call (T), how many rows (B), the attention
+width W, or how many padding columns lie before the row's first key (left-padded layout, realigned rows).
+
+Every row's keys are reduced in fixed-size chunks of `CHUNK` columns that start at the row's *first key*
+(`first[b]`, the first column its queries may see): chunk c always holds the row's logical tokens
+`c * CHUNK .. (c + 1) * CHUNK - 1`, whatever the layout. Keys a query may not see (the causal future, other
+padding, columns past W) enter as exact zeros (`exp(-inf) = 0`), and a chunk with no visible key leaves
+every sum unchanged, so the extra chunks that a wider batch brings are no-ops. A query that sees no key
+at all (left padding in a prefill: it only sees its own column, left of the row's first key) gets zeros.
+
+- Triton (GPU): one program per (row, query head, query): the query's dot products with a `[CHUNK, D]`
+  key tile, online softmax across chunks in order, `tl.sum` trees of fixed shape. No tile depends on T or
+  B, no split over keys. Invariant by construction (and bit-exact under the interpreter too).
+- torch reference (CPU; what runs on the CPU): the same chunks, two passes. Scores and chunk outputs are
+  batched matmuls of fixed inner sizes (D and CHUNK) with the query rows padded to a multiple of 4
+  (`bi_matmul.padded_rows`, measured invariant: see that module); the row maximum is exact in any order;
+  `exp` is torch's vectorised one (the same per element wherever it sits); each chunk's sum has the fixed
+  length CHUNK; chunks are added in order by a Python loop. Computed in float32 (float64 for float64).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .bi_matmul import padded_rows
+from .dispatch import cdiv, check, choose_backend, lazy_jit, next_power_of_2
+
+tl = None  # triton.language, bound when this module's first kernel is launched (see dispatch.lazy_jit)
+
+CHUNK = 64  # keys reduced together; chunks start at each row's first key
+
+
+def first_keys(mask):
+    """mask [B, T, W] bool -> [B] int64: the first column row b's queries may see (the row's first key),
+    read from its last query (always a real token in the left-padded layout; in the ragged one a padding
+    query on the right sees from the same first key)."""
+    return mask[:, -1].to(torch.uint8).argmax(dim=-1)  # [B]; argmax returns the first maximal index
+
+
+def _accumulation_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def bi_attention_reference(q, k_cache, v_cache, mask, first, chunk: int = CHUNK):
+    """Torch reference; shapes as in `bi_attention`. Returns [B, H, T, D] in q's dtype."""
+    B, H, T, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = H // Hkv  # query heads per KV head (head h reads KV head h // G)
+    W = mask.shape[-1]
+    acc = _accumulation_dtype(q.dtype)
+    NC = max(1, cdiv(W, chunk))  # chunks: enough for any row (first >= 0); surplus chunks are no-ops
+    R = G * T  # query rows per (row, KV head)
+    Rp = padded_rows(R, acc)
+    span = torch.arange(NC * chunk, device=q.device)  # [NCW]
+    index = first[:, None] + span[None, :]  # [B, NCW] cache column of the row's key c * chunk + j
+    inside = index < W  # [B, NCW]
+    index = index.clamp(max=max(W - 1, 0))
+    visible = mask.gather(2, index[:, None, :].expand(B, T, NC * chunk)) & inside[:, None, :]  # [B, T, NCW]
+    gather = index[:, None, :, None].expand(B, Hkv, NC * chunk, D)  # [B, H_kv, NCW, D]
+    keys = k_cache.gather(2, gather).to(acc)  # [B, H_kv, NCW, D]
+    values = v_cache.gather(2, gather).to(acc)  # [B, H_kv, NCW, D]
+    keys_t = keys.view(B, Hkv, NC, chunk, D).transpose(-1, -2).contiguous()  # [B, H_kv, NC, D, chunk]
+
+    scaled = q.to(acc) * (1.0 / math.sqrt(D))  # [B, H, T, D]
+    rows = torch.zeros(B, Hkv, NC, Rp, D, dtype=acc, device=q.device)  # query rows, padded, once per chunk
+    rows[:, :, :, :R] = scaled.reshape(B, Hkv, 1, R, D)  # row g * T + t is query head h = kv * G + g, query t
+    scores = torch.bmm(rows.view(-1, Rp, D), keys_t.view(-1, D, chunk))  # [B * H_kv * NC, Rp, chunk]
+    scores = scores.view(B, Hkv, NC, Rp, chunk)
+    seen = visible.view(B, 1, T, NC, chunk).permute(0, 1, 3, 2, 4)  # [B, 1, NC, T, chunk]
+    seen = seen[:, :, :, None].expand(B, 1, NC, G, T, chunk).reshape(B, 1, NC, R, chunk)
+    if Rp > R:
+        seen = torch.cat([seen, seen.new_zeros(B, 1, NC, Rp - R, chunk)], dim=3)  # [B, 1, NC, Rp, chunk]
+    scores = scores.masked_fill(~seen, float("-inf"))
+    top = scores.amax(dim=(2, 4))  # [B, H_kv, Rp] exact in any order
+    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)  # rows with no visible key
+    probs = torch.exp(scores - top[:, :, None, :, None])  # [B, H_kv, NC, Rp, chunk]
+    sums = probs.sum(dim=-1)  # [B, H_kv, NC, Rp], one fixed-length sum per chunk
+    parts = torch.bmm(probs.view(-1, Rp, chunk), values.view(-1, chunk, D)).view(B, Hkv, NC, Rp, D)
+    total, out = sums[:, :, 0], parts[:, :, 0]  # [B, H_kv, Rp], [B, H_kv, Rp, D]
+    for c in range(1, NC):  # chunks in order: a fixed summation order for every row
+        total = total + sums[:, :, c]
+        out = out + parts[:, :, c]
+    out = torch.where(total[..., None] > 0, out / total[..., None], torch.zeros_like(out))
+    return out[:, :, :R].reshape(B, H, T, D).to(q.dtype)
+
+
+def bi_attention(q, k_cache, v_cache, mask, first=None, backend: str | None = None):
+    """Validate and dispatch. q [B, H, T, D] (rotated); k_cache/v_cache [B, H_kv, C, D] (the step's K/V
+    already written); mask [B, T, W] bool, True = may attend (W <= C); first [B] int64, each row's first
+    key column (default: `first_keys(mask)`). Returns [B, H, T, D] in q's dtype; scale 1/sqrt(D)."""
+    check(q.dim() == 4 and k_cache.dim() == 4, "bi_attention: q must be [B, H, T, D] and k_cache [B, H_kv, C, D]")
+    B, H, T, D = q.shape
+    _, Hkv, C, _ = k_cache.shape
+    check(k_cache.shape == v_cache.shape and k_cache.shape[0] == B and k_cache.shape[3] == D,
+          f"bi_attention: k_cache/v_cache must be [{B}, H_kv, C, {D}], got {tuple(k_cache.shape)} and "
+          f"{tuple(v_cache.shape)}")
+    check(Hkv > 0 and H % Hkv == 0, f"bi_attention: {H} query heads are not a multiple of {Hkv} KV heads")
+    check(q.dtype == k_cache.dtype == v_cache.dtype and q.dtype.is_floating_point,
+          f"bi_attention: q/k_cache/v_cache dtypes {q.dtype}/{k_cache.dtype}/{v_cache.dtype} must be one float dtype")
+    check(mask.dtype == torch.bool and mask.dim() == 3 and mask.shape[:2] == (B, T) and mask.shape[2] <= C,
+          f"bi_attention: mask must be bool [{B}, {T}, W <= {C}], got {mask.dtype} {tuple(mask.shape)}")
+    if first is None:
+        first = first_keys(mask)
+    check(first.shape == (B,) and first.dtype == torch.int64, "bi_attention: first must be [B] int64")
+    if B == 0 or T == 0 or mask.shape[2] == 0:
+        return q.new_zeros(q.shape)
+    if choose_backend(q, backend) == "triton":
+        return bi_attention_triton(q, k_cache, v_cache, mask, first)
+    return bi_attention_reference(q, k_cache, v_cache, mask, first)
+
+
+@lazy_jit
+def _bi_attention_kernel(
+    q_ptr,  # [B, H, T, D]
+    k_ptr,  # [B, H_kv, C, D]
+    v_ptr,  # [B, H_kv, C, D]
+    mask_ptr,  # [B, T, W] uint8 (a view of the bool mask)
+    first_ptr,  # [B] int64
+    o_ptr,  # [B, H, T, D], out
+    sq_b, sq_h, sq_t, sq_d,
+    sk_b, sk_h, sk_c, sk_d,
+    sv_b, sv_h, sv_c, sv_d,
+    sm_b, sm_t, sm_w,
+    so_b, so_h, so_t, so_d,
+    H, GROUP, W, D, scale,
+    ACC_F64: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per (row b, query head h, query t): online softmax over the row's keys in BLOCK_N-column
+    chunks starting at first[b], in order; every reduction is a `tl.sum` over a fixed block shape."""
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)
+    h = (pid % H).to(tl.int64)
+    t = tl.program_id(1).to(tl.int64)
+    kv = h // GROUP
+    if ACC_F64:
+        acc_ty = tl.float64
+    else:
+        acc_ty = tl.float32
+    d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    dm = d < D
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + t * sq_t + d * sq_d, mask=dm, other=0.0).to(acc_ty) * scale  # [BLOCK_D]
+    first = tl.load(first_ptr + b)  # int64 scalar
+    m_i = tl.full([], float("-inf"), acc_ty)  # running maximum
+    l_i = tl.zeros([], acc_ty)  # running sum of exp
+    acc = tl.zeros([BLOCK_D], acc_ty)  # running weighted sum of values
+    j = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    for c0 in range(first, W, BLOCK_N):
+        cols = c0 + j  # [BLOCK_N] cache columns of this chunk
+        cm = cols < W
+        kv_mask = cm[:, None] & dm[None, :]  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_ptr + b * sk_b + kv * sk_h + cols[:, None] * sk_c + d[None, :] * sk_d, mask=kv_mask,
+                    other=0.0).to(acc_ty)  # [BLOCK_N, BLOCK_D]
+        s = tl.sum(k * q[None, :], axis=1)  # [BLOCK_N]
+        seen = tl.load(mask_ptr + b * sm_b + t * sm_t + cols * sm_w, mask=cm, other=0)  # [BLOCK_N] uint8
+        s = tl.where(seen != 0, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new).to(acc_ty)
+        alpha = tl.exp(m_i - m_safe)  # 1 exactly when this chunk raised nothing (or was all masked)
+        p = tl.exp(s - m_safe)  # [BLOCK_N], 0 where masked
+        v = tl.load(v_ptr + b * sv_b + kv * sv_h + cols[:, None] * sv_c + d[None, :] * sv_d, mask=kv_mask,
+                    other=0.0).to(acc_ty)  # [BLOCK_N, BLOCK_D]
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+    safe_l = tl.where(l_i > 0, l_i, 1.0).to(acc_ty)
+    out = tl.where(l_i > 0, acc / safe_l, 0.0)  # [BLOCK_D]; a query that sees nothing gets zeros
+    tl.store(o_ptr + b * so_b + h * so_h + t * so_t + d * so_d, out.to(o_ptr.dtype.element_ty), mask=dm)
+
+
+def bi_attention_triton(q, k_cache, v_cache, mask, first, chunk: int = CHUNK):
+    """Launch `_bi_attention_kernel`: grid (B * H, T). Same math as the reference (online instead of two
+    passes, so not the same bits)."""
+    B, H, T, D = q.shape
+    Hkv = k_cache.shape[1]
+    W = mask.shape[-1]
+    out = torch.empty_like(q)
+    mask_u8 = mask.view(torch.uint8)
+    _bi_attention_kernel[(B * H, T)](
+        q, k_cache, v_cache, mask_u8, first, out,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *mask_u8.stride(), *out.stride(),
+        H, H // Hkv, W, D, 1.0 / math.sqrt(D),
+        ACC_F64=q.dtype == torch.float64, BLOCK_N=chunk, BLOCK_D=next_power_of_2(max(D, 1)),
+    )
+    return out

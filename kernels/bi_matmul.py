@@ -1,0 +1,146 @@
+"""Batch-invariant linear layer: `y = x @ weight.T + bias` where row i of `y` depends on row i of `x` only,
+bit for bit, whatever the number of rows M (= B * T) of the call and wherever the row sits in it.
+
+Why it is needed: a GEMM library picks its kernel, blocking and (on GPUs) split-K from the shape, so the
+same row multiplied in a call of M = 1 (AR step) and in one of M = 48 (verify of k + 1 = 6 tokens, batch 8)
+can be summed in a different order and round differently.
+
+- Triton (GPU): one program per `[BLOCK_M, BLOCK_N]` output tile with *fixed* tile sizes (no autotuning,
+  which would pick tiles by M), a K loop in order in `BLOCK_K` steps with one fp32 (fp64 for fp64)
+  accumulator, and no split-K. Row i's value is then the same sequence of `tl.dot` steps in every call:
+  invariant by construction.
+- torch reference (CPU; what runs on the CPU): one `F.linear` call on a row count padded to a multiple of
+  `ROW_MULTIPLE[dtype]` in a fresh 64-byte-aligned buffer. Measured on this project's CPU (MKL sgemm/dgemm,
+  AVX2, torch 2.13; `bench/batch_invariant.py --probe`): float32 rows agree for every M >= 4 but M = 1..3
+  take other kernels; float64 rows agree only when M is a multiple of 4 (the remainder rows take another
+  kernel) *and* the input is 64-byte aligned (a misaligned view changes the result); bfloat16 (torch's own
+  fp32-accumulating kernel) agrees for every M, so it is not padded. These are measured facts about one
+  library on one CPU, re-checked by `tests/test_batch_invariant.py`, not guarantees of the library.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .dispatch import cdiv, check, choose_backend, lazy_jit
+
+tl = None  # triton.language, bound when this module's first kernel is launched (see dispatch.lazy_jit)
+
+ALIGNMENT = 64  # bytes: torch's CPU allocator aligns every new buffer to this
+ROW_MULTIPLE = {torch.bfloat16: 1}  # rows per call are padded to a multiple of this (default 4, see above)
+DEFAULT_ROW_MULTIPLE = 4
+# fixed tiles (never tuned per shape: a different tile would be a different summation order)
+TILES = {torch.float64: (32, 32, 16)}  # (BLOCK_M, BLOCK_N, BLOCK_K) per dtype
+DEFAULT_TILES = (32, 64, 32)
+
+
+def interpreting() -> bool:
+    """True under the Triton interpreter (`TRITON_INTERPRET=1`), whose `tl.dot` mishandles 16-bit floats."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def padded_rows(M: int, dtype: torch.dtype) -> int:
+    """The row count the torch path multiplies for M rows: a multiple of the dtype's ROW_MULTIPLE."""
+    multiple = ROW_MULTIPLE.get(dtype, DEFAULT_ROW_MULTIPLE)
+    return max(multiple, cdiv(M, multiple) * multiple)
+
+
+def bi_matmul_reference(x, weight, bias=None):
+    """x [M, K], weight [N, K], bias [N] or None -> [M, N]: `F.linear` on M rows padded to `padded_rows` in
+    an aligned, contiguous buffer (the input itself when it already is one)."""
+    M, K = x.shape
+    Mp = padded_rows(M, x.dtype)
+    if Mp == M and x.is_contiguous() and x.data_ptr() % ALIGNMENT == 0:
+        return F.linear(x, weight, bias)
+    rows = torch.empty((Mp, K), dtype=x.dtype, device=x.device)  # [Mp, K], freshly allocated: aligned
+    rows[:M] = x
+    rows[M:] = 0
+    return F.linear(rows, weight, bias)[:M]  # [M, N]
+
+
+def bi_linear(x, weight, bias=None, backend: str | None = None):
+    """Validate and dispatch. x [..., K]; weight [N, K]; bias [N] or None -> [..., N] in x's dtype."""
+    check(x.dim() >= 1 and weight.dim() == 2, f"bi_linear: x must be [..., K] and weight [N, K], got "
+          f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    N, K = weight.shape
+    check(x.shape[-1] == K, f"bi_linear: x has {x.shape[-1]} features, weight expects {K}")
+    check(x.dtype == weight.dtype, f"bi_linear: x dtype {x.dtype} != weight dtype {weight.dtype}")
+    check(x.device == weight.device, f"bi_linear: x on {x.device}, weight on {weight.device}")
+    check(bias is None or (bias.shape == (N,) and bias.dtype == x.dtype),
+          f"bi_linear: bias must be [{N}] of dtype {x.dtype}")
+    check(x.dtype.is_floating_point, f"bi_linear: x must be floating point, got {x.dtype}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)  # [M, K]
+    if choose_backend(x, backend) == "triton":
+        y = bi_matmul_triton(x2, weight, bias)
+    else:
+        y = bi_matmul_reference(x2, weight, bias)
+    return y.view(*lead, N)
+
+
+@lazy_jit
+def _bi_matmul_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    b_ptr,  # [N] (not read without HAS_BIAS)
+    y_ptr,  # [M, N], out
+    M, N, K,
+    stride_xm, stride_xk,
+    stride_wn, stride_wk,
+    stride_ym, stride_yn,
+    HAS_BIAS: tl.constexpr,
+    ACC_F64: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One program per [BLOCK_M, BLOCK_N] tile of y: K walked in order, one accumulator, no split-K."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x / y
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of w / columns of y
+    rk = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    rm64 = rm.to(tl.int64)
+    rn64 = rn.to(tl.int64)
+    if ACC_F64:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float64)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk  # [BLOCK_K]
+        a = tl.load(x_ptr + rm64[:, None] * stride_xm + kk[None, :] * stride_xk,
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
+        b = tl.load(w_ptr + rn64[None, :] * stride_wn + kk[:, None] * stride_wk,
+                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_N]
+        if DOT_FP32:  # the interpreter multiplies 16-bit floats' raw bits (triton 3.9): give it fp32
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b, input_precision="ieee")  # fp32 stays fp32 (no tf32), fp64 stays fp64
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0)  # [BLOCK_N]
+        acc += bias[None, :].to(acc.dtype)
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rm64[:, None] * stride_ym + rn64[None, :] * stride_yn, y,
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def bi_matmul_triton(x, weight, bias=None):
+    """Launch `_bi_matmul_kernel`: grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); x [M, K] -> [M, N]."""
+    M, K = x.shape
+    N = weight.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.copy_(bias.expand(M, N)) if bias is not None else y.zero_()
+    BLOCK_M, BLOCK_N, BLOCK_K = TILES.get(x.dtype, DEFAULT_TILES)
+    grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))
+    _bi_matmul_kernel[grid](
+        x, weight, bias if bias is not None else weight, y,
+        M, N, K,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+        HAS_BIAS=bias is not None, ACC_F64=x.dtype == torch.float64, DOT_FP32=interpreting() and x.element_size() == 2,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    )
+    return y

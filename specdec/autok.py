@@ -1,0 +1,315 @@
+"""Automatic k: every step, the number of drafts that maximises expected tokens per second.
+
+- **Cost model.** A forward's time as a function of M = rows x new tokens, for the target and for the
+  draft, measured on the machine the job runs on: a few timed forwards at start-up (bounded by a time
+  budget), cached in a small JSON file per model pair / dtype / device / threads / batch size, and
+  interpolated piecewise-linearly in M. A step of k drafts on B rows then costs
+  `t_draft(B * T0) + (k - 1) * t_draft(B) + t_target(B * (k + 1))` (T0: the first draft forward's
+  length, 2 or more after steps without the draft), a step of k = 0 `t_target(B)`, each plus the rest of
+  the step (sampling, acceptance, bookkeeping), learned online per (B, k) from the steps' own wall times.
+- **Acceptance model.** Per request, a decayed count of accepted and offered drafts (a draft after the
+  first rejection is never tested, so a step of k with a accepted counts a successes out of
+  a + [a < k] trials), shrunk towards the run's pooled acceptance: alpha_i. A step of k is expected to
+  emit E_i(k) = 1 + alpha_i + ... + alpha_i^k tokens in row i.
+- **Choice.** k* = argmax over 0..k_max of sum_i E_i(k) / t(B, k). k = 0 is a target-only step of the
+  same strategy: when verifying costs more per token than the drafts gain, speculation switches itself
+  off. After `explore_every` steps in a row at k = 0, one step with the best k >= 1 refreshes the
+  acceptance estimates (new requests would otherwise never be measured).
+
+Everything the chooser reads is on the host (lengths, accepted counts already read back, wall times):
+it adds no synchronisation.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from specdec.models.cache import RAGGED
+
+DEFAULT_BUDGET_S = 2.0
+
+
+# -------------------------------------------------------------------------------------------- cost table
+class CostTable:
+    """Measured forward times (seconds) of the target and the draft by M = rows x new tokens."""
+
+    def __init__(self, target: dict[int, float], draft: dict[int, float]):
+        self.target = {int(m): float(t) for m, t in target.items()}
+        self.draft = {int(m): float(t) for m, t in draft.items()}
+
+    @staticmethod
+    def _interpolate(table: dict[int, float], m: int) -> float:
+        """Piecewise-linear in M; flat below the first point, linear through the last two above."""
+        ms = sorted(table)
+        if m <= ms[0] or len(ms) == 1:
+            return table[ms[0]] if m <= ms[0] else table[ms[0]] * m / ms[0]
+        i = bisect.bisect_left(ms, m)
+        if i < len(ms) and ms[i] == m:
+            return table[m]
+        lo, hi = (ms[i - 1], ms[i]) if i < len(ms) else (ms[-2], ms[-1])
+        slope = (table[hi] - table[lo]) / (hi - lo)
+        return max(table[lo] + slope * (m - lo), 0.0)
+
+    def target_time(self, m: int) -> float:
+        return self._interpolate(self.target, m)
+
+    def draft_time(self, m: int) -> float:
+        return self._interpolate(self.draft, m)
+
+    def forwards_time(self, B: int, k: int, first_draft_tokens: int = 2) -> float:
+        """Time of the forwards of one step: k drafts (the first feeding `first_draft_tokens` per row)."""
+        if k == 0:
+            return self.target_time(B)
+        return (self.draft_time(B * first_draft_tokens) + (k - 1) * self.draft_time(B)
+                + self.target_time(B * (k + 1)))
+
+    def as_dict(self) -> dict:
+        return {"target": {str(m): t for m, t in sorted(self.target.items())},
+                "draft": {str(m): t for m, t in sorted(self.draft.items())}}
+
+
+def grid(batch_size: int, k_max: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(rows, new tokens) shapes to time, most useful first: target at every verify length of a full
+    batch and at T = 1 for smaller batches; draft at T = 1 for every power-of-two batch and T = 2."""
+    sizes = sorted({min(2 ** i, batch_size) for i in range(batch_size.bit_length() + 1)})
+    target = [(batch_size, t) for t in range(1, k_max + 2)] + [(b, 1) for b in sizes if b < batch_size]
+    draft = [(batch_size, 1), (batch_size, 2)] + [(b, 1) for b in sizes if b < batch_size] + [(1, 2)]
+    return target, draft
+
+
+@torch.inference_mode()
+def time_forward(model, rows: int, new_tokens: int, context: int, vocab: int, repeats: int, logits: str) -> float:
+    """Median wall time of a forward of `new_tokens` tokens per row on top of a `context`-token prefix."""
+    device = getattr(model, "device", torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    cache = model.new_cache(rows, context + new_tokens + 1, RAGGED)
+    prompt = torch.randint(3, vocab, (rows, context), generator=g).to(device)  # [rows, context]
+    cache.set_prefill([context] * rows, context)
+    model.forward(prompt, cache, num_new=[context] * rows, logits="last")
+    x = torch.randint(3, vocab, (rows, new_tokens), generator=g).to(device)  # [rows, T]
+    length, host = cache.length, list(cache.host_length)
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        cache.set_rows(length=length, host_length=host)
+        t0 = time.perf_counter()
+        model.forward(x, cache, logits=logits)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def calibrate(target, draft, batch_size: int, k_max: int, context: int, vocab: int,
+              budget_s: float = DEFAULT_BUDGET_S) -> CostTable:
+    """Time the grid's shapes, most useful first, until the budget is spent (at least the first two of
+    each model). Three repeats per shape, one if the forwards are slow."""
+    t_grid, d_grid = grid(batch_size, k_max)
+    tables: dict[str, dict[int, float]] = {"target": {}, "draft": {}}
+    start = time.perf_counter()
+    plan = [("target", target, s, "all") for s in t_grid[:2]] + [("draft", draft, s, "last") for s in d_grid[:2]]
+    plan += [("target", target, s, "all") for s in t_grid[2:]] + [("draft", draft, s, "last") for s in d_grid[2:]]
+    for i, (name, model, (rows, T), logits) in enumerate(plan):
+        spent = time.perf_counter() - start
+        if i >= 4 and spent > budget_s:
+            break
+        repeats = 3 if spent < budget_s / 2 else 1
+        m = rows * T
+        t = time_forward(model, rows, T, context, vocab, repeats, logits)
+        tables[name][m] = min(t, tables[name].get(m, float("inf")))
+    return CostTable(monotone(tables["target"]), monotone(tables["draft"]))
+
+
+def monotone(table: dict[int, float]) -> dict[int, float]:
+    """The closest non-decreasing fit in M (pool adjacent violators): more work never costs less, and a
+    noisy timing on a shared machine must not make the chooser prefer a larger verify."""
+    blocks: list[list] = []  # [mean, weight, [m...]]
+    for m in sorted(table):
+        blocks.append([table[m], 1, [m]])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            b = blocks.pop()
+            a = blocks[-1]
+            a[0] = (a[0] * a[1] + b[0] * b[1]) / (a[1] + b[1])
+            a[1] += b[1]
+            a[2] += b[2]
+    return {m: mean for mean, _, ms in blocks for m in ms}
+
+
+# ------------------------------------------------------------------------------------------- cost cache
+def default_cache_path() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "specdec", "costs.json")
+
+
+def model_identity(model, spec) -> str | None:
+    """What identifies a model's costs: its checkpoint files (path, size, mtime) and config; None for
+    model objects given directly (their costs are not cached)."""
+    if not isinstance(spec, (str, os.PathLike)):
+        return None
+    path = os.path.realpath(os.fspath(spec))
+    parts = [path]
+    for name in sorted(os.listdir(path)):
+        if name.endswith((".safetensors", ".json")):
+            st = os.stat(os.path.join(path, name))
+            parts.append(f"{name}:{st.st_size}:{int(st.st_mtime)}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def cache_key(target_id: str, draft_id: str, dtype, device, batch_size: int, k_max: int, context: int) -> str:
+    context_bucket = 1 << max(context - 1, 1).bit_length()  # costs are cached per power-of-two context
+    return (f"{target_id}/{draft_id}/{dtype}/{torch.device(device).type}/threads={torch.get_num_threads()}/"
+            f"B={batch_size}/k={k_max}/ctx={context_bucket}")
+
+
+def load_costs(path: str, key: str) -> CostTable | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            entry = json.load(f).get(key)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict):
+        return None
+    try:
+        return CostTable(entry["target"], entry["draft"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def save_costs(path: str, key: str, table: CostTable) -> None:
+    """Best effort (a read-only home must not stop a run): merge the entry into the JSON file atomically."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            data = data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            data = {}
+        data[key] = table.as_dict()
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------ chooser
+class KChooser:
+    """Chooses k per step (see the module docstring). `costs` may be set later (`prepare`)."""
+
+    def __init__(self, k_max: int, costs: CostTable | None = None, prior: float = 0.6, prior_weight: float = 2.0,
+                 decay: float = 0.7, explore_every: int = 64):
+        self.k_max = k_max
+        self.costs = costs
+        self.prior_weight = prior_weight  # pseudo-trials of the pooled acceptance in each row's estimate
+        self.decay = decay  # per step, on each row's counts: recent acceptance weighs more
+        self.explore_every = explore_every
+        self.pooled = [prior * 4.0, 4.0]  # [accepted, offered] over the run (decayed slowly)
+        self.residual: dict[tuple[int, int], float] = {}  # (B, k) -> EMA of (measured - forwards) seconds
+        self.stats: dict[int, list[float]] = {}  # id(request) -> [accepted, offered]
+        self.zero_streak = 0
+        self.last = (0, 0, 2, 0.0)  # the last choice: (B, k, first draft tokens, predicted seconds)
+        self.key: str | None = None  # the cost cache entry `costs` came from
+
+    # ---------------------------------------------------------------------------------- estimates
+    def alpha(self, request) -> float:
+        accepted, offered = self.stats.get(id(request), (0.0, 0.0))
+        pooled = self.pooled[0] / self.pooled[1]
+        return min(max((accepted + self.prior_weight * pooled) / (offered + self.prior_weight), 0.0), 0.999)
+
+    def step_time(self, B: int, k: int, first_draft_tokens: int = 2) -> float:
+        forwards = self.costs.forwards_time(B, k, first_draft_tokens)
+        return max(forwards + self._residual(B, k), 1e-9)
+
+    def _residual(self, B: int, k: int) -> float:
+        """The learned non-forward time of a step; unseen (B, k) borrow from the nearest seen step of the
+        same kind (speculative or not), 0 before any."""
+        if (B, k) in self.residual:
+            return self.residual[(B, k)]
+        seen = [(b, kk) for (b, kk) in self.residual if (kk == 0) == (k == 0)]
+        if not seen:
+            return 0.0
+        return self.residual[min(seen, key=lambda key: (abs(key[0] - B) + abs(key[1] - k), key))]
+
+    @staticmethod
+    def expected_tokens(alphas: list[float], k: int) -> float:
+        return sum((1 - a ** (k + 1)) / (1 - a) for a in alphas)
+
+    def rates(self, alphas: list[float], B: int, first_draft_tokens: int = 2) -> list[float]:
+        """Expected tokens per second of every k in 0..k_max."""
+        return [self.expected_tokens(alphas, k) / self.step_time(B, k, first_draft_tokens) for k in range(self.k_max + 1)]
+
+    def best_k(self, alphas: list[float], B: int, first_draft_tokens: int = 2, least: int = 0) -> int:
+        """The k >= least with the highest expected tokens per second (ties: the smaller k)."""
+        rates = self.rates(alphas, B, first_draft_tokens)
+        return max(range(least, self.k_max + 1), key=lambda k: (rates[k], -k))
+
+    # ------------------------------------------------------------------------------------- choice
+    def choose(self, batch) -> int:
+        B = len(batch)
+        first = max(s - n for s, n in zip(batch.host_seq_len, batch.draft_cache.host_length))
+        alphas = [self.alpha(r) for r in batch.requests]
+        k = self.best_k(alphas, B, first)
+        if k == 0:
+            self.zero_streak += 1
+            if self.zero_streak >= self.explore_every:  # refresh the acceptance estimates now and then
+                k = self.best_k(alphas, B, first, least=1)
+        if k:
+            self.zero_streak = 0
+        self.last = (B, k, first, self.step_time(B, k, first))
+        return k
+
+    def observe(self, seconds: float) -> float:
+        """The last chosen step's measured wall time refines the non-forward part of the cost model.
+        Returns the time that was predicted for it."""
+        B, k, first_draft_tokens, predicted = self.last
+        r = seconds - self.costs.forwards_time(B, k, first_draft_tokens)
+        old = self.residual.get((B, k))
+        self.residual[(B, k)] = r if old is None else 0.7 * old + 0.3 * r
+        return predicted
+
+    def record_acceptance(self, requests, k: int, counts: list[int]) -> None:
+        for request, a in zip(requests, counts):
+            offered = a + (a < k)
+            stats = self.stats.setdefault(id(request), [0.0, 0.0])
+            stats[0] = self.decay * stats[0] + a
+            stats[1] = self.decay * stats[1] + offered
+            self.pooled[0] = 0.99 * self.pooled[0] + a
+            self.pooled[1] = 0.99 * self.pooled[1] + offered
+
+    def start_run(self) -> None:
+        """Per-request state belongs to one `generate` call (request ids are reused afterwards)."""
+        self.stats.clear()
+        self.zero_streak = 0
+
+
+def make_chooser(llm) -> KChooser:
+    """The chooser of an LLM with num_speculative_tokens="auto"; its costs are measured at the first
+    `generate` (`prepare_chooser`), when the prompt lengths are known."""
+    return KChooser(llm.options.max_speculative_tokens)
+
+
+def prepare_chooser(llm, chooser: KChooser, requests, target_spec, draft_spec, batch_size: int) -> None:
+    """Calibrate (or load cached) costs for this batch size and the requests' typical context: once per
+    (batch size, context bucket) in the run, from the cache file when an entry exists."""
+    context = int(statistics.median(len(r.prompt_ids) + r.params.max_tokens // 2 for r in requests))
+    context = max(1, min(context, llm.max_context - llm.options.k_max - 2))
+    path = llm.options.cost_cache if llm.options.cost_cache is not None else default_cache_path()
+    ids = model_identity(llm.target, target_spec), model_identity(llm.draft, draft_spec)
+    key = cache_key(ids[0] or "object", ids[1] or "object", llm.target.dtype, llm.device, batch_size,
+                    llm.options.k_max, context)
+    if chooser.costs is not None and chooser.key in (None, key):  # costs given by the caller, or already these
+        return
+    cacheable = bool(path) and None not in ids
+    chooser.costs = load_costs(path, key) if cacheable else None
+    if chooser.costs is None:
+        chooser.costs = calibrate(llm.target, llm.draft, batch_size, llm.options.k_max, context, llm.vocab_size)
+        if cacheable:
+            save_costs(path, key, chooser.costs)
+    chooser.key = key

@@ -1,0 +1,143 @@
+"""Automatic k: the chooser on synthetic cost and acceptance curves, the cost table and its cache, and
+exactness (float64 greedy == AR) when k changes from step to step, k = 0 steps included."""
+import json
+import random
+
+import pytest
+
+from checkpoints import make_pair
+from specdec import LLM, SamplingParams
+from specdec.autok import CostTable, KChooser, calibrate, load_costs, monotone, save_costs
+from specdec.models import load_model
+
+PARAMS = SamplingParams(max_tokens=32)
+SCRIPT = (3, 0, 0, 5, 1, 0, 2, 4, 1, 1)  # k of successive steps: it changes every step, k = 0 included
+
+
+def linear_costs(target_fixed, target_per_token, draft_fixed, draft_per_token, m_max=256):
+    """A cost table with t(M) = fixed + per_token * M at powers of two."""
+    ms = [2 ** i for i in range(m_max.bit_length())]
+    return CostTable({m: target_fixed + target_per_token * m for m in ms},
+                     {m: draft_fixed + draft_per_token * m for m in ms})
+
+
+def test_k_rises_with_acceptance():
+    chooser = KChooser(8, linear_costs(10e-3, 0.1e-3, 1e-3, 0.01e-3))  # bandwidth-bound target, cheap draft
+    ks = [chooser.best_k([alpha] * 4, B=4) for alpha in (0.05, 0.3, 0.6, 0.8, 0.95)]
+    assert ks == sorted(ks), ks
+    assert ks[0] <= 1 and ks[-1] == 8, ks
+
+
+def test_k_falls_to_zero_when_verifying_costs_more_than_it_gains():
+    alphas = [0.6] * 8
+    cheap = KChooser(8, linear_costs(10e-3, 0.05e-3, 1e-3, 0.01e-3))  # verifying 8 x 6 tokens ~ 1.2 AR steps
+    assert cheap.best_k(alphas, B=8) >= 2
+    compute_bound = KChooser(8, linear_costs(1e-3, 1e-3, 0.5e-3, 0.1e-3))  # every verified token costs its own
+    assert compute_bound.best_k(alphas, B=8) == 0
+    # and in between the choice moves down as the batch grows and verification gets dearer
+    middle = KChooser(8, linear_costs(10e-3, 0.4e-3, 1e-3, 0.02e-3))
+    ks = [middle.best_k(alphas[:1] * b, B=b) for b in (1, 4, 16, 64)]
+    assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1] == 0, ks
+
+
+def test_acceptance_estimates_follow_each_request():
+    chooser = KChooser(5, linear_costs(10e-3, 0.1e-3, 1e-3, 0.01e-3))
+    good, bad = object(), object()
+    for _ in range(10):
+        chooser.record_acceptance([good, bad], 5, [5, 0])
+    assert chooser.alpha(good) > 0.9 and chooser.alpha(bad) < 0.4  # a rejection at the first draft is one trial
+    fresh = object()  # a new request starts at the pooled estimate
+    assert chooser.alpha(bad) < chooser.alpha(fresh) < chooser.alpha(good)
+
+
+def test_residual_learns_the_rest_of_the_step():
+    chooser = KChooser(4, linear_costs(10e-3, 0.0, 1e-3, 0.0))
+    chooser.last = (2, 3, 2, 0.0)
+    for _ in range(20):
+        chooser.observe(chooser.costs.forwards_time(2, 3) + 5e-3)
+    assert chooser.step_time(2, 3) == pytest.approx(chooser.costs.forwards_time(2, 3) + 5e-3, rel=1e-3)
+
+
+def test_cost_table_interpolates_and_extrapolates():
+    table = CostTable({1: 1.0, 4: 2.5, 8: 3.0}, {1: 0.1})
+    assert table.target_time(2) == pytest.approx(1.5)
+    assert table.target_time(16) == pytest.approx(4.0)  # through the last two points
+    assert table.target_time(0) == 1.0
+    assert table.draft_time(3) == pytest.approx(0.3)  # one point: proportional
+    assert table.forwards_time(2, 0) == table.target_time(2)
+    # noisy timings are made non-decreasing in M (pool adjacent violators): more work never costs less
+    assert monotone({1: 3.0, 2: 1.0, 4: 2.0, 8: 5.0, 16: 4.0}) == {1: 2.0, 2: 2.0, 4: 2.0, 8: 4.5, 16: 4.5}
+    assert table.forwards_time(2, 3, first_draft_tokens=2) == pytest.approx(
+        table.draft_time(4) + 2 * table.draft_time(2) + table.target_time(8))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair("llama", tmp_path_factory.mktemp("autok"))
+
+
+def test_calibration_is_bounded_and_cached(pair, tmp_path):
+    target, draft = (load_model(p, dtype="float32") for p in pair)
+    table = calibrate(target, draft, batch_size=4, k_max=5, context=16, vocab=131, budget_s=0.5)
+    assert {4 * t for t in range(1, 3)} <= set(table.target) and 4 in table.draft
+    assert all(t > 0 for t in list(table.target.values()) + list(table.draft.values()))
+    path = tmp_path / "costs.json"
+    save_costs(str(path), "key", table)
+    assert load_costs(str(path), "key").as_dict() == table.as_dict()
+    assert load_costs(str(path), "other") is None
+    path.write_text("not json")
+    assert load_costs(str(path), "key") is None  # a corrupt cache is ignored, not fatal
+    llm = LLM(*pair, method="ragged", batch_size=2, dtype="float32", cost_cache=str(tmp_path / "c.json"),
+              check_invariants=False)
+    llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=4))
+    assert len(json.loads((tmp_path / "c.json").read_text())) == 1  # calibrated once, then read back
+
+
+class ScriptedChooser(KChooser):
+    """k from a fixed cycle, whatever the costs: every k change and k = 0 step the real chooser could make."""
+
+    def __init__(self, script, k_max):
+        super().__init__(k_max, linear_costs(1.0, 0.0, 0.1, 0.0))
+        self.script, self.i = script, 0
+
+    def choose(self, batch):
+        k = self.script[self.i % len(self.script)]
+        self.i += 1
+        self.last = (len(batch), k, 2, 0.0)
+        return k
+
+
+def mixed_prompts(n=16, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 131) for _ in range(rng.randint(1, 50))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    prompts = mixed_prompts()
+    outs = LLM(pair[0], method="ar", batch_size=4, dtype="float64").generate(prompt_token_ids=prompts,
+                                                                             sampling_params=PARAMS)
+    return prompts, [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("method,batch_size", [("eqspec", 3), ("ragged", 3), ("exspec", 4), ("ragged", 8)])
+def test_k_changing_every_step_equals_ar(pair, reference, method, batch_size):
+    prompts, expected = reference
+    llm = LLM(*pair, method=method, num_speculative_tokens="auto", max_speculative_tokens=5, batch_size=batch_size,
+              window_size=8, dtype="float64", check_invariants=True, cost_cache="")
+    llm.chooser = ScriptedChooser(SCRIPT, 5)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+    assert [o.token_ids for o in outs] == expected
+    hist = outs.metrics.k_histogram
+    assert hist.get(0, 0) > 0 and len(hist) >= 5, hist  # k = 0 steps and many different k happened
+
+
+@pytest.mark.parametrize("method", ["eqspec", "ragged", "exspec"])
+def test_auto_k_equals_ar(pair, reference, method):
+    prompts, expected = reference
+    llm = LLM(*pair, method=method, num_speculative_tokens="auto", batch_size=4, dtype="float64",
+              check_invariants=True, cost_cache="")
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+    assert [o.token_ids for o in outs] == expected
+    m = outs.metrics
+    assert sum(m.k_histogram.values()) == m.steps and m.measured_step_s > 0 and m.predicted_step_s > 0

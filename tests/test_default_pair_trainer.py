@@ -1,0 +1,137 @@
+"""The default-pair trainer (bench/default_pair): its pieces on tiny models, and one whole run on a tiny
+synthetic "stdlib" (seconds), checking the saved checkpoints, the prompts file and the generated doc."""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `bench.default_pair`
+
+from bench.default_pair import checkpoint, data, evaluate, train  # noqa: E402
+from bench.default_pair.__main__ import main  # noqa: E402
+
+TINY = "hidden=32,layers=1,heads=2,kv_heads=1,ffn=64"
+
+
+def tiny_model(seed: int, vocab: int = 64, arch: str = TINY):
+    return checkpoint.build_model(checkpoint.llama_config(checkpoint.parse_arch(arch), vocab, 64), seed).eval()
+
+
+def test_per_file_cap_trims_the_largest_files_first():
+    lengths = [10, 50, 200, 1000]
+    cap = data.per_file_cap(lengths, 300)
+    assert sum(min(n, cap) for n in lengths) <= 300 < sum(min(n, cap + 1) for n in lengths)
+    assert data.per_file_cap(lengths, 10_000) == 1000
+
+
+def test_windows_start_at_line_starts_with_bos_and_are_seeded():
+    newline = 7
+    stream = np.array([(i % 9) + 10 if i % 13 else newline for i in range(2000)], dtype=np.int32)
+    w = data.Windows(stream, newline, ctx=32, seed=0)
+    assert all(stream[s - 1] == newline for s in w.starts if s > 0)
+    batch = w.batch(5)  # [5, 32]
+    assert batch.shape == (5, 32) and (batch[:, 0] == data.BOS).all()
+    assert torch.equal(batch, data.Windows(stream, newline, ctx=32, seed=0).batch(5))
+
+
+def test_prompts_round_trip_through_the_file(tmp_path):
+    source = ('class A:\n    """Doc line.\n\n    More.\n    """\n\n'
+              '    def f(self, x):\n        "Return x."\n        return x\n')
+    prompts = data.extract_prompts([source], 5)
+    assert prompts == ['class A:\n    """Doc line.', 'def f(self, x):\n    "Return x."']
+    data.write_prompts(tmp_path / "p.txt", prompts)
+    assert data.read_prompt_file(tmp_path / "p.txt") == prompts
+    jsonl = tmp_path / "q.jsonl"
+    jsonl.write_text(json.dumps({"turns": ["first", "second"]}) + "\n" + json.dumps({"prompt": "p"}) + "\n")
+    assert data.read_prompt_file(jsonl) == ["first", "p"]
+
+
+def test_parse_arch_names_the_problem():
+    assert checkpoint.parse_arch(TINY) == {"hidden": 32, "layers": 1, "heads": 2, "kv_heads": 1, "ffn": 64}
+    for bad, words in (("hidden=32,layers=1", "needs exactly"), ("hidden=30,layers=1,heads=4,kv_heads=1,ffn=8",
+                                                                   "divide"), ("hidden=x", "key=int")):
+        with pytest.raises(ValueError, match=words):
+            checkpoint.parse_arch(bad)
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    assert train.lr_at(0, 100, 1.0, 10) == pytest.approx(0.1)
+    assert train.lr_at(9, 100, 1.0, 10) == pytest.approx(1.0)
+    assert train.lr_at(100, 100, 1.0, 10) == pytest.approx(train.FINAL_LR_FRACTION)
+
+
+def test_speculative_simulation_is_exact_and_counts_acceptance():
+    target, other = tiny_model(0), tiny_model(1)
+    prompts = [[1, 5, 9, 12], [1, 40, 41]]
+    same, outs = evaluate.speculative_acceptance(target, target, prompts, k=3, new_tokens=12)
+    assert same["acceptance"] == 1.0 and same["matches_greedy"] == 2
+    assert same["tokens_per_target_call"] == 4.0
+    diff, outs2 = evaluate.speculative_acceptance(target, other, prompts, k=3, new_tokens=12)
+    assert diff["matches_greedy"] == 2 and outs2 == outs  # a different draft never changes the output
+    assert diff["acceptance"] < 1.0
+
+
+def test_pool_is_the_targets_greedy_continuation_with_its_top_k():
+    target = tiny_model(0)
+    stream = np.arange(3, 3 + 600, dtype=np.int32) % 60 + 3
+    windows = data.Windows(stream, newline_id=2, ctx=64, seed=0)
+    pool = train.generate_pool(target, windows, seqs=3, minutes=1.0, batch=2, new_tokens=10, prefix_range=(4, 6),
+                               top_k=4, seed=0)
+    assert len(pool) == 3 and pool.generated_tokens == 30
+    for row, length, prefix in zip(pool.tokens, pool.lengths, pool.prefix_lengths):
+        prompt = row[:prefix].tolist()
+        assert prompt[0] == data.BOS and (row[length:] == data.PAD).all()
+        assert row[prefix:length].tolist() == evaluate.greedy(target, prompt, 10)
+    i = 0
+    L = pool.lengths[i]
+    assert (pool.top_ids[i, pool.prefix_lengths[i] - 1: L - 1, 0] == pool.tokens[i, pool.prefix_lengths[i]: L]).all()
+    assert (np.diff(pool.top_logp[i, : L - 1], axis=-1) <= 0).all()  # sorted, most likely first
+
+
+def test_distill_loss_ignores_padding_and_is_smallest_for_the_teacher():
+    target, draft = tiny_model(0), tiny_model(1)
+    stream = np.arange(600, dtype=np.int32) % 60 + 3
+    windows = data.Windows(stream, newline_id=2, ctx=64, seed=0)
+    pool = train.generate_pool(target, windows, seqs=2, minutes=1.0, batch=1, new_tokens=8, prefix_range=(4, 9),
+                               top_k=64, seed=1)
+    assert pool.lengths[0] != pool.lengths[1]  # rows of different lengths share a batch, padded
+    loss = train.make_distill_loss(pool, alpha=1.0)
+    rows = np.array([0, 1])
+    before = loss(draft, rows).item()
+    pool.tokens[pool.tokens == data.PAD] = 17  # whatever sits in the padding must not matter
+    assert loss(draft, rows).item() == pytest.approx(before, rel=1e-6)
+    assert loss(target, rows).item() < before  # with K = V the soft term is minimal at the teacher itself
+
+
+def test_whole_run_on_a_tiny_corpus(tmp_path):
+    stdlib = tmp_path / "lib"
+    for i in range(12):
+        body = "".join(f'    def method_{j}(self, value):\n        """Return value plus {j}."""\n'
+                       f"        return value + {j}\n\n" for j in range(i + 3))
+        (stdlib / f"pkg{i % 3}").mkdir(parents=True, exist_ok=True)
+        (stdlib / f"pkg{i % 3}" / f"mod{i}.py").write_text(f'class Thing{i}:\n    """A thing."""\n\n{body}')
+    (stdlib / "test").mkdir()
+    (stdlib / "test" / "test_x.py").write_text("excluded = True\n")
+    out = tmp_path / "out"
+    argv = ["--stdlib", str(stdlib), "--out", str(out / "pair"), "--prompts-out", str(out / "prompts.txt"),
+            "--doc", str(out / "doc.md"), "--results", str(out / "results.json"), "--holdout-every", "4",
+            "--vocab-size", "300", "--ctx", "64", "--target-arch", TINY, "--draft-arch", TINY, "--threads", "1",
+            "--target-steps", "3", "--batch-target", "2", "--warmup-target", "1", "--pool-seqs", "4",
+            "--pool-batch", "2", "--pool-new-tokens", "8", "--pool-prefix-max", "16", "--draft-steps", "3",
+            "--batch-draft", "2", "--warmup-draft", "1", "--eval-windows", "4", "--num-prompts", "3", "-k", "3",
+            "--new-tokens", "8"]
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["data"]["n_files"] == 12 and results["data"]["n_held"] == 3
+    assert results["spec"]["heldout"]["matches_greedy"] == results["spec"]["heldout"]["prompts"] == 3
+    for name in ("target", "draft"):
+        assert {p.name for p in (out / "pair" / name).iterdir()} >= {
+            "config.json", "model.safetensors", "tokenizer.model", "tokenizer.json", "generation_config.json"}
+        assert json.loads((out / "pair" / name / "config.json").read_text())["dtype"] == "bfloat16"
+    doc = (out / "doc.md").read_text()
+    assert f"**{results['heldout']['target_loss']:.4f}**" in doc and f"{results['pair_bytes'] / 2**20:.1f} MiB" in doc
+    assert results["command"].startswith("python -m bench.default_pair --stdlib") and results["command"] in doc
+    assert len(data.read_prompt_file(out / "prompts.txt")) == 3
