@@ -173,3 +173,70 @@ def test_rejection(benchmark, batch, k, vocab, mode):
         ref_s = _time(lambda: rej.rejection_sample(**kw, backend="torch"))
         extra.update(reference_ms=ref_s * 1e3, speedup_vs_reference=ref_s / seconds)
     benchmark.extra_info.update(extra)
+
+
+# ------------------------------------------------------------------------ batch-invariant linear / attention
+# The mode's ops (models/numerics.py) against the ordinary ones on the same inputs: `extra_info["impl"]` is
+# "invariant" (bi_linear / bi_attention: Triton on CUDA, the torch path on CPU) or "ordinary" (F.linear /
+# SDPA). CPU shapes are the default pair's and the synthetic pair's; CUDA shapes a Llama-3-8B layer's.
+from specdec.kernels import bi_attention as bia  # noqa: E402
+from specdec.kernels import bi_matmul as bim  # noqa: E402
+
+BI_DTYPES = ("bfloat16", "float32")
+BI_ROWS = (1, 8, 48) if not CUDA else (1, 8, 48, 512)
+BI_LINEAR_SHAPES = (((640, 384), (2048, 768)) if QUICK else ((640, 384), (4000, 384), (2048, 768), (768, 2048))) \
+    if not CUDA else ((6144, 4096), (4096, 14336), (28672, 4096))  # (N, K): qkv, down, gate_up
+BI_ATTN = dict(H=6, Hkv=2, D=64) if not CUDA else dict(H=32, Hkv=8, D=128)
+BI_CONTEXTS = (256,) if (QUICK or not CUDA) else (256, 4096)
+
+
+@pytest.mark.parametrize("impl", ("invariant", "ordinary"))
+@pytest.mark.parametrize("rows", BI_ROWS)
+@pytest.mark.parametrize("shape", BI_LINEAR_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", BI_DTYPES)
+def test_bi_linear(benchmark, dtype, shape, rows, impl):
+    N, K = shape
+    dt = getattr(torch, dtype)
+    weight = torch.randn(N, K, device=DEVICE).to(dt) * 0.02
+    x = torch.randn(rows, K, device=DEVICE).to(dt)
+    packed = bim.pack_weight(weight)  # the model packs once (CPU float32)
+    if impl == "invariant":
+        fn = lambda: bim.bi_linear(x, weight, packed=packed, backend=PATH)  # noqa: E731
+    else:
+        fn = lambda: torch.nn.functional.linear(x, weight)  # noqa: E731
+    seconds = _run(benchmark, fn)
+    benchmark.extra_info.update(path=PATH if impl == "invariant" else "torch", impl=impl, device=DEVICE,
+                                threads=torch.get_num_threads(), dtype=dtype, rows=rows, N=N, K=K,
+                                cpu_path=bim.cpu_path(dt) if not CUDA else None,
+                                weight_gbps=N * K * dt.itemsize / seconds / 1e9)
+
+
+@pytest.mark.parametrize("impl", ("invariant", "ordinary"))
+@pytest.mark.parametrize("context", BI_CONTEXTS)
+@pytest.mark.parametrize("T", (1, 6))
+@pytest.mark.parametrize("batch", (1, 8))
+@pytest.mark.parametrize("dtype", BI_DTYPES)
+def test_bi_attention(benchmark, dtype, batch, T, context, impl):
+    H, Hkv, D = BI_ATTN["H"], BI_ATTN["Hkv"], BI_ATTN["D"]
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(batch + T + context)
+    q = torch.randn(batch, H, T, D, generator=g).to(DEVICE, dt)
+    k = torch.randn(batch, Hkv, context + T, D, generator=g).to(DEVICE, dt)
+    v = torch.randn(batch, Hkv, context + T, D, generator=g).to(DEVICE, dt)
+    lengths = torch.randint(context // 2, context + 1, (batch,), generator=g)  # rows of different lengths
+    start = (context - lengths).to(DEVICE)  # left-padded: every row ends at column context + T
+    from specdec.kernels.positions import step_plan_reference
+
+    _, _, mask = step_plan_reference(start, lengths.to(DEVICE), torch.full((batch,), T, device=DEVICE), T, True,
+                                     context + T)
+    if impl == "invariant":
+        first = bia.first_keys(mask)
+        plan = None if CUDA else bia.chunk_plan(mask, first, H // Hkv, Hkv, context + T)  # once per forward
+        fn = lambda: bia.bi_attention(q, k, v, mask, first, plan=plan, backend=PATH)  # noqa: E731
+    else:
+        bias = torch.where(mask, torch.zeros((), dtype=dt, device=DEVICE), float("-inf"))[:, None]
+        fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)  # noqa: E731
+    seconds = _run(benchmark, fn)
+    benchmark.extra_info.update(path=PATH if impl == "invariant" else "torch", impl=impl, device=DEVICE,
+                                threads=torch.get_num_threads(), dtype=dtype, batch=batch, T=T, context=context,
+                                kv_gbps=2 * k.numel() * dt.itemsize / seconds / 1e9)

@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from specdec.models.cache import RAGGED
+
 DEFAULT_PAIR_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pair")
 
 
@@ -194,7 +196,7 @@ def time_forward(model, batch_size: int = 8, prefix: int = 64, new_tokens: int =
     device = model.device
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.vocab_size, (batch_size, prefix + new_tokens), generator=g).to(device)
-    cache = model.new_cache(batch_size, prefix + new_tokens + 1, "ragged")
+    cache = model.new_cache(batch_size, prefix + new_tokens + 1, RAGGED)
     cache.set_prefill(torch.full((batch_size,), prefix, dtype=torch.int64, device=device), prefix)
     model.forward(ids[:, :prefix], cache, logits="last")
     length = cache.length.clone()

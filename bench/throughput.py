@@ -52,6 +52,8 @@ import traceback  # noqa: E402
 
 import torch  # noqa: E402
 
+from specdec.run import k_value  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pairs import DEFAULT_PAIR_DIR, SyntheticPairSpec, build_synthetic_pair, cost_ratio, pair_description  # noqa: E402
 
@@ -104,13 +106,18 @@ def parse_args(argv=None):
 
     g = p.add_argument_group("sweep")
     g.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma-separated methods; 'ar' is the baseline and always runs first at each batch size "
-                        "when listed. A method that raises NotImplementedError is skipped with a note")
+                   help="comma-separated methods, each optionally with its own k as METHOD:K (K an integer or "
+                        "'auto'), e.g. 'ar,ragged:auto,ragged:1,ragged:3,ragged:5'; without ':K' the method "
+                        "uses -k. 'ar' is the baseline and always runs first at each batch size when listed. A "
+                        "method that raises NotImplementedError is skipped with a note")
     g.add_argument("--batch-sizes", default=None,
                    help=f"comma-separated batch sizes (default {DEFAULT_BATCH_SIZES}; {QUICK['batch_sizes']} "
                         f"with --quick)")
     g.add_argument("--with-32", action="store_true", help="also run batch size 32 (needs >= 32 prompts to fill it)")
-    g.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per step (k)")
+    g.add_argument("-k", "--num-speculative-tokens", type=k_value, default="auto",
+                   help="draft tokens per step: an integer, or 'auto' (chosen every step by the cost model)")
+    g.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the phases of every step (realign share, phase split); synchronises on CUDA")
     g.add_argument("--max-tokens", type=int, default=None,
                    help="new tokens per request (default 128; 32 with --quick)")
     g.add_argument("--window-size", type=int, default=48,
@@ -172,9 +179,15 @@ def parse_args(argv=None):
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     from specdec import METHODS
 
-    unknown = [m for m in args.methods if m not in METHODS]
-    if unknown:
-        p.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+    args.variants = {}  # label -> (method, k)
+    for label in args.methods:
+        method, _, k = label.partition(":")
+        if method not in METHODS:
+            p.error(f"unknown method {method!r} in --methods; choose from {list(METHODS)}")
+        try:
+            args.variants[label] = (method, None if method == "ar" else (k_value(k) if k else args.num_speculative_tokens))
+        except argparse.ArgumentTypeError as err:
+            p.error(f"--methods {label}: k {err}")
     if "ar" in args.methods:  # the baseline first, so every later method compares against it
         args.methods = ["ar"] + [m for m in args.methods if m != "ar"]
     if args.max_tokens is None:
@@ -229,10 +242,12 @@ def build_prompts(args, tokenizer, vocab_size: int) -> tuple[list[list[int]], st
 
 
 # ---------------------------------------------------------------------------------------------- running
-def make_llm(models, method: str, batch_size: int, args) -> LLM:
+def make_llm(models, label: str, batch_size: int, args) -> LLM:
+    method, k = args.variants[label]
     return LLM(target=models["target"], draft=models["draft"], method=method,
-               num_speculative_tokens=args.num_speculative_tokens, batch_size=batch_size, dtype=args.dtype,
-               device=args.device, window_size=max(args.window_size, batch_size), tokenizer=models["tokenizer"])
+               num_speculative_tokens=5 if k is None else k, batch_size=batch_size, dtype=args.dtype,
+               device=args.device, window_size=max(args.window_size, batch_size), tokenizer=models["tokenizer"],
+               profile=args.profile)
 
 
 def run_one(models, method: str, batch_size: int, prompts, args, use_tqdm=True):
@@ -248,8 +263,9 @@ def run_one(models, method: str, batch_size: int, prompts, args, use_tqdm=True):
         return None, f"error: {type(e).__name__}: {e}"
 
 
-def record(method, batch_size, outs, note, runs_tps):
-    rec = {"method": method, "batch_size": batch_size, "status": note or "ok"}
+def record(label, batch_size, outs, note, runs_tps, args):
+    method, k = args.variants[label]
+    rec = {"method": label, "base_method": method, "k": k, "batch_size": batch_size, "status": note or "ok"}
     if outs is None:
         return rec
     m = outs.metrics
@@ -261,7 +277,8 @@ def record(method, batch_size, outs, note, runs_tps):
         "ttft_s": m.latency_percentiles("ttft"), "wall_time_s": m.wall_time_s,
         "generated_tokens": m.generated_tokens, "num_requests": m.num_requests, "steps": m.steps,
         "target_forwards": m.target_forwards, "draft_forwards": m.draft_forwards,
-        "phase_time_s": d["phase_time_s"],
+        "phase_time_s": d["phase_time_s"], "k_histogram": d["k_histogram"],
+        "predicted_step_s": m.predicted_step_s, "measured_step_s": m.measured_step_s,
     })
     return rec
 
@@ -311,11 +328,11 @@ def summarise(runs, args, cost) -> list[dict]:
         for method in args.methods:
             ok = [(o, n) for o, n in runs[(method, B)] if o is not None]
             if not ok:
-                rows.append(record(method, B, None, runs[(method, B)][0][1], []))
+                rows.append(record(method, B, None, runs[(method, B)][0][1], [], args))
                 continue
             tps = [o.metrics.tokens_per_s for o, _ in ok]
             median_run = sorted(ok, key=lambda r: r[0].metrics.tokens_per_s)[len(ok) // 2]
-            rows.append(record(method, B, median_run[0], None, tps))
+            rows.append(record(method, B, median_run[0], None, tps, args))
             rows[-1]["_outs"] = median_run[0]
     by = {(r["method"], r["batch_size"]): r for r in rows}
     ar1 = by.get(("ar", 1))
@@ -346,21 +363,30 @@ def fmt(x, spec="{:.2f}", none="–"):
     return spec.format(x)
 
 
+def k_column(r) -> str:
+    """The k of a row: fixed, or auto with the mean chosen k and the share of k = 0 steps."""
+    hist = {int(k): n for k, n in (r.get("k_histogram") or {}).items()}
+    if r.get("k") != "auto" or not hist:
+        return "–" if r.get("k") is None else str(r["k"])
+    steps = sum(hist.values())
+    return f"auto ({sum(k * n for k, n in hist.items()) / steps:.1f}, {hist.get(0, 0) / steps:.0%} k=0)"
+
+
 def markdown_table(rows, spec_methods=("eqspec", "ragged", "exspec")) -> str:
-    head = ("| method | B | tokens/s | × AR@1 | × AR@B | acceptance | tokens/step | realign share | grouping | "
+    head = ("| method | B | k | tokens/s | × AR@1 | × AR@B | acceptance | tokens/step | realign share | grouping | "
             "latency p50 / p95 / p99 (s) | equiv. vs AR@B |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['method']} | {r['batch_size']} | {r['status']} |" + " |" * 8)
+            lines.append(f"| {r['method']} | {r['batch_size']} | {r['status']} |" + " |" * 9)
             continue
-        spec = r["method"] in spec_methods
+        spec = r.get("base_method", r["method"]) in spec_methods
         lat = r["latency_s"]
         lines.append(
-            f"| {r['method']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar_b1'])} | "
+            f"| {r['method']} | {r['batch_size']} | {k_column(r)} | {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar_b1'])} | "
             f"{fmt(r['speedup_vs_ar_same_b'])} | {fmt(r['acceptance_rate'], '{:.1%}') if spec else '–'} | "
             f"{r['mean_tokens_per_step']:.2f} | {fmt(r['realign_share'], '{:.1%}') if spec else '–'} | "
-            f"{fmt(r['grouping_rate'], '{:.1%}') if r['method'] == 'exspec' else '–'} | "
+            f"{fmt(r['grouping_rate'], '{:.1%}') if r.get('base_method', r['method']) == 'exspec' else '–'} | "
             f"{lat['p50']:.1f} / {lat['p95']:.1f} / {lat['p99']:.1f} | {fmt(r['equivalence_vs_ar'], '{:.0%}')} |")
     return "\n".join(lines)
 
@@ -443,7 +469,7 @@ def write_outputs(rows, meta, args, tag):
                     flat[f"{key}_{q}_s"] = v
             for ph, v in (r.get("phase_time_s") or {}).items():
                 flat[f"{ph}_s"] = v
-            flat.update(lengths=tag, k=args.num_speculative_tokens, max_tokens=args.max_tokens, dtype=args.dtype,
+            flat.update(lengths=tag, max_tokens=args.max_tokens, dtype=args.dtype,
                         device=args.device, threads=meta["threads"])
             w.writerow(flat)
     return base

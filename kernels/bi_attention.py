@@ -21,6 +21,7 @@ at all (left padding in a prefill: it only sees its own column, left of the row'
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -43,36 +44,55 @@ def _accumulation_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def bi_attention_reference(q, k_cache, v_cache, mask, first, chunk: int = CHUNK):
-    """Torch reference; shapes as in `bi_attention`. Returns [B, H, T, D] in q's dtype."""
-    B, H, T, D = q.shape
-    Hkv = k_cache.shape[1]
-    G = H // Hkv  # query heads per KV head (head h reads KV head h // G)
-    W = mask.shape[-1]
-    acc = _accumulation_dtype(q.dtype)
-    NC = max(1, cdiv(W, chunk))  # chunks: enough for any row (first >= 0); surplus chunks are no-ops
-    R = G * T  # query rows per (row, KV head)
-    Rp = padded_rows(R, acc)
-    span = torch.arange(NC * chunk, device=q.device)  # [NCW]
+class ChunkPlan(NamedTuple):
+    """Which cache columns the torch reference reads, and what each padded query row may see; the same for
+    every layer of a forward (`chunk_plan`)."""
+
+    rows_index: torch.Tensor  # [B * H_kv * NC * chunk] row of the cache viewed as [B * H_kv * C, D] to read
+    hidden: torch.Tensor  # [B, 1, NC, Rp, chunk] bool, query row g * T + t may NOT see the key (padding rows: all)
+    chunks: int  # NC
+    rows: int  # R = G * T real query rows per (row, KV head)
+
+
+def chunk_plan(mask, first, group: int, kv_heads: int, capacity: int, chunk: int = CHUNK) -> ChunkPlan:
+    """The reference's gather index and visibility for mask [B, T, W], first [B], `group` query heads per
+    KV head and caches [B, kv_heads, capacity, D]."""
+    B, T, W = mask.shape
+    NC = max(1, cdiv(W, chunk))  # enough for any row (first >= 0); surplus chunks are no-ops
+    R = group * T
+    Rp = padded_rows(R)
+    span = torch.arange(NC * chunk, device=mask.device)  # [NCW]
     index = first[:, None] + span[None, :]  # [B, NCW] cache column of the row's key c * chunk + j
     inside = index < W  # [B, NCW]
     index = index.clamp(max=max(W - 1, 0))
     visible = mask.gather(2, index[:, None, :].expand(B, T, NC * chunk)) & inside[:, None, :]  # [B, T, NCW]
-    gather = index[:, None, :, None].expand(B, Hkv, NC * chunk, D)  # [B, H_kv, NCW, D]
-    keys = k_cache.gather(2, gather).to(acc)  # [B, H_kv, NCW, D]
-    values = v_cache.gather(2, gather).to(acc)  # [B, H_kv, NCW, D]
-    keys_t = keys.view(B, Hkv, NC, chunk, D).transpose(-1, -2).contiguous()  # [B, H_kv, NC, D, chunk]
+    seen = torch.zeros(B, 1, NC, Rp, chunk, dtype=torch.bool, device=mask.device)
+    seen[:, :, :, :R] = visible.view(B, 1, 1, T, NC, chunk).permute(0, 1, 4, 2, 3, 5).expand(
+        B, 1, NC, group, T, chunk).reshape(B, 1, NC, R, chunk)  # row g * T + t sees what query t sees
+    heads = torch.arange(B * kv_heads, device=mask.device).view(B, kv_heads, 1)  # [B, H_kv, 1] = b * H_kv + h
+    rows_index = (heads * capacity + index[:, None, :]).reshape(-1)  # [B * H_kv * NCW]
+    return ChunkPlan(rows_index, ~seen, NC, R)
+
+
+def bi_attention_reference(q, k_cache, v_cache, mask, first, plan: ChunkPlan | None = None, chunk: int = CHUNK):
+    """Torch reference; shapes as in `bi_attention`. Returns [B, H, T, D] in q's dtype."""
+    B, H, T, D = q.shape
+    _, Hkv, C, _ = k_cache.shape
+    G = H // Hkv  # query heads per KV head (head h reads KV head h // G)
+    if plan is None:
+        plan = chunk_plan(mask, first, G, Hkv, C, chunk)
+    NC, R = plan.chunks, plan.rows
+    Rp = plan.hidden.shape[3]
+    acc = _accumulation_dtype(q.dtype)
+    keys = k_cache.reshape(B * Hkv * C, D).index_select(0, plan.rows_index).to(acc)  # [B * H_kv * NCW, D]
+    values = v_cache.reshape(B * Hkv * C, D).index_select(0, plan.rows_index).to(acc)  # [B * H_kv * NCW, D]
+    keys_t = keys.view(-1, chunk, D).transpose(1, 2).contiguous()  # [B * H_kv * NC, D, chunk]
 
     scaled = q.to(acc) * (1.0 / math.sqrt(D))  # [B, H, T, D]
     rows = torch.zeros(B, Hkv, NC, Rp, D, dtype=acc, device=q.device)  # query rows, padded, once per chunk
     rows[:, :, :, :R] = scaled.reshape(B, Hkv, 1, R, D)  # row g * T + t is query head h = kv * G + g, query t
-    scores = torch.bmm(rows.view(-1, Rp, D), keys_t.view(-1, D, chunk))  # [B * H_kv * NC, Rp, chunk]
-    scores = scores.view(B, Hkv, NC, Rp, chunk)
-    seen = visible.view(B, 1, T, NC, chunk).permute(0, 1, 3, 2, 4)  # [B, 1, NC, T, chunk]
-    seen = seen[:, :, :, None].expand(B, 1, NC, G, T, chunk).reshape(B, 1, NC, R, chunk)
-    if Rp > R:
-        seen = torch.cat([seen, seen.new_zeros(B, 1, NC, Rp - R, chunk)], dim=3)  # [B, 1, NC, Rp, chunk]
-    scores = scores.masked_fill(~seen, float("-inf"))
+    scores = torch.bmm(rows.view(-1, Rp, D), keys_t)  # [B * H_kv * NC, Rp, chunk]
+    scores = scores.view(B, Hkv, NC, Rp, chunk).masked_fill_(plan.hidden, float("-inf"))
     top = scores.amax(dim=(2, 4))  # [B, H_kv, Rp] exact in any order
     top = torch.where(top == float("-inf"), torch.zeros_like(top), top)  # rows with no visible key
     probs = torch.exp(scores - top[:, :, None, :, None])  # [B, H_kv, NC, Rp, chunk]
@@ -86,10 +106,12 @@ def bi_attention_reference(q, k_cache, v_cache, mask, first, chunk: int = CHUNK)
     return out[:, :, :R].reshape(B, H, T, D).to(q.dtype)
 
 
-def bi_attention(q, k_cache, v_cache, mask, first=None, backend: str | None = None):
+def bi_attention(q, k_cache, v_cache, mask, first=None, plan: ChunkPlan | None = None, backend: str | None = None):
     """Validate and dispatch. q [B, H, T, D] (rotated); k_cache/v_cache [B, H_kv, C, D] (the step's K/V
     already written); mask [B, T, W] bool, True = may attend (W <= C); first [B] int64, each row's first
-    key column (default: `first_keys(mask)`). Returns [B, H, T, D] in q's dtype; scale 1/sqrt(D)."""
+    key column (default: `first_keys(mask)`); plan: the torch path's `chunk_plan(mask, first, H // H_kv, H_kv, C)`,
+    shared by a forward's layers (computed here when None). Returns [B, H, T, D] in q's dtype; scale
+    1/sqrt(D)."""
     check(q.dim() == 4 and k_cache.dim() == 4, "bi_attention: q must be [B, H, T, D] and k_cache [B, H_kv, C, D]")
     B, H, T, D = q.shape
     _, Hkv, C, _ = k_cache.shape
@@ -108,7 +130,7 @@ def bi_attention(q, k_cache, v_cache, mask, first=None, backend: str | None = No
         return q.new_zeros(q.shape)
     if choose_backend(q, backend) == "triton":
         return bi_attention_triton(q, k_cache, v_cache, mask, first)
-    return bi_attention_reference(q, k_cache, v_cache, mask, first)
+    return bi_attention_reference(q, k_cache, v_cache, mask, first, plan)
 
 
 @lazy_jit

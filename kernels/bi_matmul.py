@@ -9,13 +9,18 @@ can be summed in a different order and round differently.
   which would pick tiles by M), a K loop in order in `BLOCK_K` steps with one fp32 (fp64 for fp64)
   accumulator, and no split-K. Row i's value is then the same sequence of `tl.dot` steps in every call:
   invariant by construction.
-- torch reference (CPU; what runs on the CPU): one `F.linear` call on a row count padded to a multiple of
-  `ROW_MULTIPLE[dtype]` in a fresh 64-byte-aligned buffer. Measured on this project's CPU (MKL sgemm/dgemm,
-  AVX2, torch 2.13; `bench/batch_invariant.py --probe`): float32 rows agree for every M >= 4 but M = 1..3
-  take other kernels; float64 rows agree only when M is a multiple of 4 (the remainder rows take another
-  kernel) *and* the input is 64-byte aligned (a misaligned view changes the result); bfloat16 (torch's own
-  fp32-accumulating kernel) agrees for every M, so it is not padded. These are measured facts about one
-  library on one CPU, re-checked by `tests/test_batch_invariant.py`, not guarantees of the library.
+- torch reference (CPU; what runs on the CPU), by dtype, each measured on this project's CPU (AMD EPYC,
+  AVX2, torch 2.13 with MKL 2024.2 and oneDNN 3.12; `bench/batch_invariant.py --probe`) for every M in
+  1..69 and up to 4100, rows at every offset, 1 and 2 threads:
+  - float32: oneDNN's matmul on a weight packed once (`pack_weight`; what inductor uses on CPUs): rows agree
+    for every M. (Plain `F.linear` is MKL sgemm: M = 1..3 take other kernels than M >= 4.)
+  - bfloat16: `F.linear` (torch's own fp32-accumulating kernel on this CPU) agrees for every M.
+  - float64 (and float16): `F.linear` on rows padded to a multiple of 4 in a fresh 64-byte-aligned buffer:
+    MKL dgemm rows agree only when M is a multiple of 4 (remainder rows take another kernel) and the input
+    is aligned (a misaligned view changes the result).
+  These are measured facts about these libraries on this CPU, re-checked by
+  `tests/test_batch_invariant.py`, not guarantees: other CPUs (AVX-512, AMX) or library versions need
+  the probe and the tests run again.
 """
 from __future__ import annotations
 
@@ -29,8 +34,9 @@ from .dispatch import cdiv, check, choose_backend, lazy_jit
 tl = None  # triton.language, bound when this module's first kernel is launched (see dispatch.lazy_jit)
 
 ALIGNMENT = 64  # bytes: torch's CPU allocator aligns every new buffer to this
-ROW_MULTIPLE = {torch.bfloat16: 1}  # rows per call are padded to a multiple of this (default 4, see above)
-DEFAULT_ROW_MULTIPLE = 4
+ROW_MULTIPLE = 4  # MKL's full row tile: padded calls multiply a multiple of this many rows
+NATIVE_DTYPES = (torch.bfloat16,)  # F.linear as is
+ONEDNN_DTYPES = (torch.float32,)  # oneDNN on a packed weight (when torch has oneDNN)
 # fixed tiles (never tuned per shape: a different tile would be a different summation order)
 TILES = {torch.float64: (32, 32, 16)}  # (BLOCK_M, BLOCK_N, BLOCK_K) per dtype
 DEFAULT_TILES = (32, 64, 32)
@@ -41,17 +47,38 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def padded_rows(M: int, dtype: torch.dtype) -> int:
-    """The row count the torch path multiplies for M rows: a multiple of the dtype's ROW_MULTIPLE."""
-    multiple = ROW_MULTIPLE.get(dtype, DEFAULT_ROW_MULTIPLE)
+def padded_rows(M: int, multiple: int = ROW_MULTIPLE) -> int:
+    """The row count a padded call multiplies for M rows: a positive multiple of `multiple`."""
     return max(multiple, cdiv(M, multiple) * multiple)
 
 
-def bi_matmul_reference(x, weight, bias=None):
-    """x [M, K], weight [N, K], bias [N] or None -> [M, N]: `F.linear` on M rows padded to `padded_rows` in
-    an aligned, contiguous buffer (the input itself when it already is one)."""
+def onednn_available() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def cpu_path(dtype: torch.dtype) -> str:
+    """How the torch reference multiplies `dtype` on the CPU: "native", "onednn" or "padded" (see above)."""
+    if dtype in NATIVE_DTYPES:
+        return "native"
+    if dtype in ONEDNN_DTYPES and onednn_available():
+        return "onednn"
+    return "padded"
+
+
+def pack_weight(weight):
+    """The weight in oneDNN's blocked layout when the CPU path of its dtype is "onednn" (pack once per
+    model: `Transformer.batch_invariant = True` does), else None. An extra copy of the weight."""
+    if weight.device.type != "cpu" or cpu_path(weight.dtype) != "onednn":
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def padded_linear(x, weight, bias=None):
+    """`F.linear` on x's M rows padded to a multiple of ROW_MULTIPLE in an aligned, contiguous buffer (the
+    input itself when it already is one). x [M, K] -> [M, N]."""
     M, K = x.shape
-    Mp = padded_rows(M, x.dtype)
+    Mp = padded_rows(M)
     if Mp == M and x.is_contiguous() and x.data_ptr() % ALIGNMENT == 0:
         return F.linear(x, weight, bias)
     rows = torch.empty((Mp, K), dtype=x.dtype, device=x.device)  # [Mp, K], freshly allocated: aligned
@@ -60,8 +87,22 @@ def bi_matmul_reference(x, weight, bias=None):
     return F.linear(rows, weight, bias)[:M]  # [M, N]
 
 
-def bi_linear(x, weight, bias=None, backend: str | None = None):
-    """Validate and dispatch. x [..., K]; weight [N, K]; bias [N] or None -> [..., N] in x's dtype."""
+def bi_matmul_reference(x, weight, bias=None, packed=None):
+    """x [M, K], weight [N, K], bias [N] or None -> [M, N], by the dtype's CPU path. `packed`: the weight
+    from `pack_weight` (packed on the fly when missing: same bits, slower)."""
+    path = cpu_path(x.dtype) if x.device.type == "cpu" else "padded"
+    if path == "native":
+        return F.linear(x, weight, bias)
+    if path == "onednn":
+        if packed is None:
+            packed = pack_weight(weight)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return padded_linear(x, weight, bias)
+
+
+def bi_linear(x, weight, bias=None, packed=None, backend: str | None = None):
+    """Validate and dispatch. x [..., K]; weight [N, K]; bias [N] or None -> [..., N] in x's dtype.
+    `packed`: `pack_weight(weight)`, kept by the caller (only the CPU float32 path reads it)."""
     check(x.dim() >= 1 and weight.dim() == 2, f"bi_linear: x must be [..., K] and weight [N, K], got "
           f"{tuple(x.shape)} and {tuple(weight.shape)}")
     N, K = weight.shape
@@ -76,7 +117,7 @@ def bi_linear(x, weight, bias=None, backend: str | None = None):
     if choose_backend(x, backend) == "triton":
         y = bi_matmul_triton(x2, weight, bias)
     else:
-        y = bi_matmul_reference(x2, weight, bias)
+        y = bi_matmul_reference(x2, weight, bias, packed)
     return y.view(*lead, N)
 
 

@@ -26,28 +26,52 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kernels.bi_attention import bi_attention, first_keys
-from specdec.kernels.bi_matmul import bi_linear
+from specdec.kernels.bi_attention import bi_attention, chunk_plan, first_keys
+from specdec.kernels.bi_matmul import bi_linear, pack_weight
+from specdec.kernels.dispatch import choose_backend
 
 SILU_INVARIANT_DTYPES = (torch.bfloat16,)  # torch's CPU F.silu gives the same bits for every element position
 
 
 class RowKeys(NamedTuple):
-    """What batch-invariant attention needs from a step's plan, computed once per forward."""
+    """What batch-invariant attention needs from a step's plan, computed once per forward (`row_keys`)."""
 
     mask: torch.Tensor  # [B, T, W] bool, True = may attend
     first: torch.Tensor  # [B] int64, each row's first key column
+    plans: dict  # (group, H_kv, C) -> the torch path's ChunkPlan, built by the first layer that needs it
 
 
 def row_keys(mask) -> RowKeys:
-    return RowKeys(mask, first_keys(mask))
+    return RowKeys(mask, first_keys(mask), {})
+
+
+def packed_weight(layer: nn.Linear):
+    """The layer's weight packed for the CPU float32 path (`bi_matmul.pack_weight`), packed at first use and
+    again when the weight changes (dtype, device, storage or in-place version); None for other paths."""
+    weight = layer.weight
+    try:
+        version = weight._version
+    except RuntimeError:  # inference tensors keep no version counter
+        version = None
+    key = (weight.dtype, weight.device, weight.data_ptr(), tuple(weight.shape), version)
+    cached = layer.__dict__.get("bi_packed")
+    if cached is None or cached[0] != key:
+        cached = (key, pack_weight(weight))
+        layer.bi_packed = cached
+    return cached[1]
+
+
+def drop_packed_weights(model: nn.Module) -> None:
+    """Free the packed copies (kept when the mode is switched off, so that switching back costs nothing)."""
+    for module in model.modules():
+        module.__dict__.pop("bi_packed", None)
 
 
 def linear(layer: nn.Linear, x, invariant: bool, backend: str | None = None):
     """`layer(x)`, or its batch-invariant equivalent (same weights, a fixed summation order per row)."""
     if not invariant:
         return layer(x)
-    return bi_linear(x, layer.weight, layer.bias, backend=backend)
+    return bi_linear(x, layer.weight, layer.bias, packed=packed_weight(layer), backend=backend)
 
 
 def silu(x, invariant: bool):
@@ -59,7 +83,14 @@ def silu(x, invariant: bool):
 
 def attention(q, k_cache, v_cache, keys: RowKeys, backend: str | None = None):
     """Batch-invariant attention of q [B, H, T, D] over the cache (see `kernels.bi_attention`)."""
-    return bi_attention(q, k_cache, v_cache, keys.mask, keys.first, backend=backend)
+    _, kv_heads, capacity, _ = k_cache.shape
+    shape = (q.shape[1] // kv_heads, kv_heads, capacity)  # (group, H_kv, C): the same for every layer
+    plan = None
+    if choose_backend(q, backend) == "torch":
+        plan = keys.plans.get(shape)
+        if plan is None:
+            plan = keys.plans[shape] = chunk_plan(keys.mask, keys.first, *shape)
+    return bi_attention(q, k_cache, v_cache, keys.mask, keys.first, plan=plan, backend=backend)
 
 
 def set_batch_invariant(model, on: bool) -> None:

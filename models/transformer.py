@@ -14,7 +14,7 @@ from torch import nn
 from specdec.kernels.kv_append import kv_append
 
 from . import numerics
-from .cache import KVCache
+from .cache import RAGGED, KVCache
 from .config import ModelConfig
 
 
@@ -248,7 +248,7 @@ class Transformer(nn.Module):
         emb = freqs.repeat_interleave(2, dim=-1) if self.cfg.rope_interleaved else torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]
 
-    def new_cache(self, batch_size: int, capacity: int, layout: str = "ragged") -> KVCache:
+    def new_cache(self, batch_size: int, capacity: int, layout: str = RAGGED) -> KVCache:
         cfg = self.cfg
         return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, capacity, cfg.head_dim,
                                 self.dtype, self.device, layout)

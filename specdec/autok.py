@@ -211,6 +211,7 @@ class KChooser:
         self.decay = decay  # per step, on each row's counts: recent acceptance weighs more
         self.explore_every = explore_every
         self.pooled = [prior * 4.0, 4.0]  # [accepted, offered] over the run (decayed slowly)
+        self.offered = 0  # drafts offered so far: until some are, the prior alone must not switch drafting off
         self.residual: dict[tuple[int, int], float] = {}  # (B, k) -> EMA of (measured - forwards) seconds
         self.stats: dict[int, list[float]] = {}  # id(request) -> [accepted, offered]
         self.zero_streak = 0
@@ -258,7 +259,8 @@ class KChooser:
         k = self.best_k(alphas, B, first)
         if k == 0:
             self.zero_streak += 1
-            if self.zero_streak >= self.explore_every:  # refresh the acceptance estimates now and then
+            if self.offered < 4 * self.k_max or self.zero_streak >= self.explore_every:  # measure acceptance first,
+                # then refresh the estimates now and then
                 k = self.best_k(alphas, B, first, least=1)
         if k:
             self.zero_streak = 0
@@ -277,6 +279,7 @@ class KChooser:
     def record_acceptance(self, requests, k: int, counts: list[int]) -> None:
         for request, a in zip(requests, counts):
             offered = a + (a < k)
+            self.offered += offered
             stats = self.stats.setdefault(id(request), [0.0, 0.0])
             stats[0] = self.decay * stats[0] + a
             stats[1] = self.decay * stats[1] + offered

@@ -29,7 +29,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import time
@@ -37,6 +36,8 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
+
+from .prompts import iter_prompt_file
 
 RAY_EXTRA = 'pip install -e ".[ray]"'
 NODE_ID_LABEL = "ray.io/node-id"  # Ray's built-in label naming each node
@@ -90,48 +91,6 @@ def import_ray():
 
 
 # ----------------------------------------------------------------------------------------- prompt streaming
-def parse_prompt_line(line: str, path: str, number: int, jsonl: bool) -> str | None:
-    """One line of a prompt file -> its prompt, or None for a line that holds none. The rules of
-    `specdec.prompts.read_prompts`: `.txt` skips blank and `#` lines and turns the two characters `\\n`
-    into a newline; `.jsonl` takes a `prompt` string or the first of a `turns` list."""
-    if not line.strip() or (not jsonl and line.startswith("#")):
-        return None
-    if not jsonl:
-        return line.replace("\\n", "\n")
-    try:
-        record = json.loads(line)
-    except ValueError:
-        raise ValueError(f"{path}:{number}: not valid JSON") from None
-    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-        return record["prompt"]
-    if isinstance(record, dict) and isinstance(record.get("turns"), list) and record["turns"]:
-        if not isinstance(record["turns"][0], str):
-            raise ValueError(f"{path}:{number}: 'turns'[0] must be a string, got {type(record['turns'][0]).__name__}")
-        return record["turns"][0]
-    raise ValueError(f"{path}:{number}: expected a 'prompt' string or a non-empty 'turns' list")
-
-
-def iter_prompt_file(path: str, offset: int = 0, number: int = 1):
-    """Yield (byte offset, line number, prompt) for each prompt of the file from byte `offset` (the start of
-    line `number`) on, one line in memory at a time. Lines end at \\n (a \\r before it is dropped)."""
-    jsonl = path.endswith((".jsonl", ".json"))
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            for raw in f:
-                try:
-                    line = raw.decode("utf-8").rstrip("\n").rstrip("\r")
-                except UnicodeDecodeError:
-                    raise ValueError(f"{path}:{number}: not valid UTF-8") from None
-                prompt = parse_prompt_line(line, path, number, jsonl)
-                if prompt is not None:
-                    yield offset, number, prompt
-                offset += len(raw)
-                number += 1
-    except OSError as err:
-        raise ValueError(f"{path}: cannot read prompt file ({err.strerror or err})") from None
-
-
 def plan_chunks(inline: list[str], path: str | None, limit: int | None, block_size: int) -> tuple[list[dict], int]:
     """Chunk descriptors covering the inline prompts (carried as text) then the file's (located by byte
     offset), `block_size` prompts each, at most `limit` in all; and the number of prompts. Reads the file
@@ -208,12 +167,11 @@ class Fault:
 
 
 def request_error(llm, prompt_token_ids: list[int], params, index: int) -> str | None:
-    """Why `llm` would refuse this one request (empty, out of vocabulary, too long for the context), or None.
-    Runs LLM's own validation on the request alone, renaming its "prompt 0" to the global index."""
+    """Why `llm` would refuse this one request (empty, out of vocabulary, too long for the context), or None."""
     try:
-        llm._requests(None, [prompt_token_ids], [params])
+        llm.check_request([int(t) for t in prompt_token_ids], params, index)
     except ValueError as err:
-        return re.sub(r"^prompt 0\b", f"prompt {index}", str(err))
+        return str(err)
     return None
 
 
@@ -445,40 +403,6 @@ def unwrap_error(err: BaseException) -> BaseException:
     return err
 
 
-class OrderedSink:
-    """Adapter over run.py's `JsonlOutput` for lines that arrive in prompt order: they go straight to its
-    partial file, and the commit renames that file into place (no second copy, nothing held in memory).
-    A failure leaves the partial file to JsonlOutput, which keeps it and says where."""
-
-    def __init__(self, sink):
-        self.sink = sink
-
-    def write(self, record: dict) -> None:
-        from .output import _write_all
-
-        try:
-            _write_all(self.sink.fd, (json.dumps(record) + "\n").encode("utf-8"))
-        except OSError as err:
-            raise self.sink._error(err, "write") from None
-        self.sink.lines += 1
-
-    def commit(self) -> None:
-        from .output import signals_deferred
-
-        sink = self.sink
-        if sink.stream:  # a device or descriptor: the lines are already where they belong
-            sink.committed = True
-            return
-        try:
-            os.fsync(sink.fd)
-            with signals_deferred():  # the rename and the bookkeeping happen together or not at all
-                os.replace(sink.partial, sink.target)
-                sink.partial = None
-                sink.committed = True
-        except OSError as err:
-            raise sink._error(err, "write") from None
-
-
 def output_record(row: dict) -> dict:
     """The JSONL line of one request: the single-process CLI's record, or {index, prompt, error}."""
     if row["error"] is not None:
@@ -518,9 +442,10 @@ def run_distributed(args, target: str, draft: str | None, sink=None) -> int:
         placement = place_replicas(args.device, args.replicas, ray.cluster_resources(), strict=not args.ray_address,
                                    blocks=len(chunks))
         llm_kwargs = dict(target=target, draft=draft, method=args.method,
-                          num_speculative_tokens=args.num_speculative_tokens, batch_size=args.batch_size,
+                          num_speculative_tokens=args.num_speculative_tokens,
+                          max_speculative_tokens=args.max_speculative_tokens, batch_size=args.batch_size,
                           dtype=args.dtype, device=placement.device, window_size=args.window_size,
-                          check_invariants=args.check_invariants)
+                          check_invariants=args.check_invariants, compile=args.compile, profile=args.profile)
         if getattr(args, "check_weights", False):
             llm_kwargs["check_weights"] = True
         sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -569,7 +494,7 @@ def stream_job(ray, chunks: list[dict], total: int, replica_kwargs: dict, placem
 
     llm_kwargs = replica_kwargs["llm_kwargs"]
     metrics = RunMetrics(llm_kwargs["method"], llm_kwargs["batch_size"], num_requests=total)
-    out = OrderedSink(sink) if sink is not None else None
+    out = sink  # lines arrive in prompt order: streamed as they are, the partial file renamed at the end
     bar = tqdm(total=total, desc=f"ray x{placement.replicas} {metrics.method}", unit="req", dynamic_ncols=True,
                disable=not progress)
     kept, errors, expected, first_block_s, busy_s = [], 0, 0, 0.0, 0.0
@@ -594,7 +519,7 @@ def stream_job(ray, chunks: list[dict], total: int, replica_kwargs: dict, placem
                 if len(kept) < samples:
                     kept.append(row)
                 if out is not None:
-                    out.write(output_record(row))
+                    out.write_record(output_record(row))
             bar.update(len(rows))
             bar.set_postfix_str(f"{metrics.generated_tokens / (time.perf_counter() - t0):.1f} tok/s", refresh=False)
     except Exception as err:  # a replica's CheckpointError/ValueError surfaces as itself: one line in main
@@ -608,7 +533,7 @@ def stream_job(ray, chunks: list[dict], total: int, replica_kwargs: dict, placem
         raise RuntimeError(f"Ray delivered {expected} of {total} requests")
     metrics.wall_time_s = time.perf_counter() - t0
     if out is not None:
-        out.commit()
+        out.commit_streamed()
     return JobResult(metrics, errors, kept, first_block_s, busy_s, placement.replicas)
 
 
@@ -625,7 +550,7 @@ def print_summary(job: JobResult, args, placement: Placement, join_s: float, blo
         print(row["prompt"] + "\033[1m" + text + "\033[0m" if sys.stdout.isatty() else row["prompt"] + text)
     m = job.metrics
     print()
-    print(summary_table([metrics_row(m, m.method != "ar", None)]))
+    print(summary_table([metrics_row(m, args.num_speculative_tokens, None)]))
     each = "1 GPU" if "num_gpus" in placement.resources else "1 CPU, 1 torch thread"
     print(f"\n{m.num_requests} requests ({job.errors} with an error), {m.generated_tokens} tokens in "
           f"{m.wall_time_s:.2f} s on {placement.replicas} replica(s) ({each} each); target forwards "

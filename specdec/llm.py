@@ -8,6 +8,7 @@ import time
 import torch
 
 from specdec.models import CheckpointError, load_model, load_tokenizer
+from specdec.models.numerics import set_batch_invariant
 
 from .batch import DecodeContext
 from .devices import engine_device
@@ -48,7 +49,7 @@ class LLM:
                  kernel_backend: str | None = None, window_size: int = 48, max_wait_steps: int = 8,
                  tokenizer=None, check_weights: bool = False, max_speculative_tokens: int = 8,
                  realign_cost_per_row: float = 0.175, fold_shift: bool = False, compile: bool | None = None,
-                 profile: bool = False, cost_cache: str | None = None):
+                 profile: bool = False, cost_cache: str | None = None, batch_invariant: bool = False):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if batch_size < 1:
@@ -79,6 +80,10 @@ class LLM:
         self._specs = (target, draft)  # what the models were loaded from (auto k caches costs per checkpoint)
         self.target = self._model(target, dtype)
         self.draft = self._model(draft, dtype) if speculative else None
+        if batch_invariant:  # models/numerics.py; False leaves model objects as they are
+            for model in (self.target, self.draft):
+                if model is not None:
+                    set_batch_invariant(model, True)
         self.tokenizer = tokenizer
         if tokenizer is None and isinstance(target, (str, os.PathLike)) and _has_tokenizer(target):
             self.tokenizer = load_tokenizer(target)
@@ -139,6 +144,20 @@ class LLM:
         return sizes[0]
 
     # ------------------------------------------------------------------ generate
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, index: int = 0) -> None:
+        """Raise ValueError, naming the prompt's `index`, if this request cannot run: an empty prompt, ids
+        outside the vocabulary, or prompt + max_tokens + k_max + 1 beyond the context."""
+        ids = prompt_token_ids
+        if not ids:
+            raise ValueError(f"prompt {index} is empty (no tokens)")
+        if max(ids) >= self.vocab_size or min(ids) < 0:
+            raise ValueError(f"prompt {index} has token ids outside the vocabulary [0, {self.vocab_size})")
+        need = len(ids) + params.max_tokens + self.options.k_max + 1
+        if need > self.max_context:
+            raise ValueError(
+                f"prompt {index} has {len(ids)} tokens; with max_tokens={params.max_tokens} and k={self.options.k_max} "
+                f"it needs {need} positions but the model context is {self.max_context}")
+
     def _requests(self, prompts, prompt_token_ids, sampling_params):
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts (text) or prompt_token_ids")
@@ -157,15 +176,7 @@ class LLM:
         requests = []
         for i, (ids, params) in enumerate(zip(prompt_token_ids, sampling_params)):
             ids = [int(t) for t in ids]
-            if not ids:
-                raise ValueError(f"prompt {i} is empty (no tokens)")
-            if max(ids) >= self.vocab_size or min(ids) < 0:
-                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size})")
-            need = len(ids) + params.max_tokens + self.options.k_max + 1
-            if need > self.max_context:
-                raise ValueError(
-                    f"prompt {i} has {len(ids)} tokens; with max_tokens={params.max_tokens} and k={self.options.k_max} it needs "
-                    f"{need} positions but the model context is {self.max_context}")
+            self.check_request(ids, params, i)
             stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             generator = None if params.greedy else request_generator(params.seed, self.device)
             requests.append(Request(i, ids, params, frozenset(stop), generator))

@@ -144,12 +144,30 @@ class JsonlOutput:
 
     def write(self, output, prompt: str | None) -> None:
         """Stream one finished request's line."""
-        line = (json.dumps(record(output, prompt)) + "\n").encode("utf-8")
+        self.write_record(record(output, prompt))
+
+    def write_record(self, obj: dict) -> None:
+        """Stream one JSON line."""
         try:
-            _write_all(self.fd, line)
+            _write_all(self.fd, (json.dumps(obj) + "\n").encode("utf-8"))
         except OSError as err:
             raise self._error(err, "write") from None
         self.lines += 1
+
+    def commit_streamed(self) -> None:
+        """All requests are done and the streamed lines are already in prompt order (the distributed
+        runner orders them): rename the partial file into place, no second copy."""
+        if self.stream:
+            self.committed = True
+            return
+        try:
+            os.fsync(self.fd)
+            with signals_deferred():  # the rename and the bookkeeping happen together or not at all
+                os.replace(self.partial, self.target)
+                self.partial = None
+                self.committed = True
+        except OSError as err:
+            raise self._error(err, "write") from None
 
     def commit(self, outputs, prompts) -> None:
         """All requests are done: streams are complete as they are; a file is written in prompt order to a

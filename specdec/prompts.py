@@ -10,38 +10,55 @@ DEFAULT_TARGET = os.path.join(ASSETS, "default_pair", "target")
 DEFAULT_DRAFT = os.path.join(ASSETS, "default_pair", "draft")
 
 
+def parse_prompt_line(line: str, path: str, number: int, jsonl: bool) -> str | None:
+    """One line of a prompt file -> its prompt, or None for a line that holds none. The rules of
+    `specdec.prompts.read_prompts`: `.txt` skips blank and `#` lines and turns the two characters `\\n`
+    into a newline; `.jsonl` takes a `prompt` string or the first of a `turns` list."""
+    if not line.strip() or (not jsonl and line.startswith("#")):
+        return None
+    if not jsonl:
+        return line.replace("\\n", "\n")
+    try:
+        record = json.loads(line)
+    except ValueError:
+        raise ValueError(f"{path}:{number}: not valid JSON") from None
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+        return record["prompt"]
+    if isinstance(record, dict) and isinstance(record.get("turns"), list) and record["turns"]:
+        if not isinstance(record["turns"][0], str):
+            raise ValueError(f"{path}:{number}: 'turns'[0] must be a string, got {type(record['turns'][0]).__name__}")
+        return record["turns"][0]
+    raise ValueError(f"{path}:{number}: expected a 'prompt' string or a non-empty 'turns' list")
+
+
+def iter_prompt_file(path: str, offset: int = 0, number: int = 1):
+    """Yield (byte offset, line number, prompt) for each prompt of the file from byte `offset` (the start of
+    line `number`) on, one line in memory at a time. Lines end at \\n (a \\r before it is dropped)."""
+    jsonl = path.endswith((".jsonl", ".json"))
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            for raw in f:
+                try:
+                    line = raw.decode("utf-8").rstrip("\n").rstrip("\r")
+                except UnicodeDecodeError:
+                    raise ValueError(f"{path}:{number}: not valid UTF-8") from None
+                prompt = parse_prompt_line(line, path, number, jsonl)
+                if prompt is not None:
+                    yield offset, number, prompt
+                offset += len(raw)
+                number += 1
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read prompt file ({err.strerror or err})") from None
+
+
 def read_prompts(path: str) -> list[str]:
     """Prompts from a file. `.txt`: one per line, blank lines and lines starting with `#` skipped, the two
     characters `\\n` stand for a newline. `.jsonl`: one JSON object per line with a `prompt` string or a
     `turns` list (SpecBench's question.jsonl; the first turn is used). Errors name the file and line."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: prompt file not found")
-    prompts = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: cannot read prompt file ({err})") from None
-    jsonl = path.endswith((".jsonl", ".json"))
-    for number, line in enumerate(lines, 1):
-        if not line.strip() or (not jsonl and line.startswith("#")):
-            continue
-        if not jsonl:
-            prompts.append(line.replace("\\n", "\n"))
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            raise ValueError(f"{path}:{number}: not valid JSON") from None
-        if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-            prompts.append(record["prompt"])
-        elif isinstance(record, dict) and isinstance(record.get("turns"), list) and record["turns"]:
-            if not isinstance(record["turns"][0], str):
-                raise ValueError(f"{path}:{number}: 'turns'[0] must be a string, got "
-                                 f"{type(record['turns'][0]).__name__}")
-            prompts.append(record["turns"][0])
-        else:
-            raise ValueError(f"{path}:{number}: expected a 'prompt' string or a non-empty 'turns' list")
+    prompts = [prompt for _, _, prompt in iter_prompt_file(path)]
     if not prompts:
         raise ValueError(f"{path}: no prompts in file")
     return prompts

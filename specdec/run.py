@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "every step (slow; raises naming the invariant, row and column)")
     p.add_argument("--compile", action="store_true", help="torch.compile the target and draft forwards (CUDA: with "
                    "CUDA graphs); the first steps of each shape compile (tens of seconds on a CPU, see docs/api.md)")
+    p.add_argument("--batch-invariant", action="store_true", help="batch-invariant numerics: a token's logits are "
+                   "the same bits whatever else shares the forward, so greedy speculative output equals AR bit for "
+                   "bit in bfloat16 and float32 too (slower; docs/design.md)")
     p.add_argument("--profile", action="store_true", help="time every phase of every step (draft, verify, accept, "
                    "realign...) for the realign share and the JSON metrics; synchronises the device at each phase")
     p.add_argument("--metrics", metavar="FILE.json", help="write the run's metrics (and the AR comparison's) as JSON: "
@@ -180,7 +183,8 @@ def run(args, sink: JsonlOutput | None = None) -> int:
     llm = LLM(target, draft, method=args.method, num_speculative_tokens=args.num_speculative_tokens,
               max_speculative_tokens=args.max_speculative_tokens, batch_size=args.batch_size, dtype=args.dtype,
               device=device, window_size=args.window_size, check_invariants=args.check_invariants,
-              check_weights=args.check_weights, compile=args.compile, profile=args.profile)
+              check_weights=args.check_weights, compile=args.compile, profile=args.profile,
+              batch_invariant=args.batch_invariant)
     if llm.tokenizer is None:
         raise ValueError(f"--target {target}: no tokenizer.model or tokenizer.json, cannot encode text prompts")
     ids = encode_prompts(llm, prompts, args.chat)

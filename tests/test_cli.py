@@ -33,7 +33,7 @@ def test_no_arguments_runs_the_default_pair():
     result = cli()
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "| method | batch | tokens/s | acceptance |" in out
+    assert "| method | batch | k | tokens/s | acceptance |" in out
     assert "| ar |" in out and "| eqspec |" in out
     assert "Check against AR decoding:" in out
     assert "--- request 0" in out

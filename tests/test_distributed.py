@@ -88,7 +88,7 @@ def test_greedy_equals_the_single_process_run_and_a_bad_request_is_an_error_line
     bad = records[NUM_PROMPTS]
     assert set(bad) == {"index", "prompt", "error"} and bad["index"] == NUM_PROMPTS
     assert f"prompt {NUM_PROMPTS} has 600 tokens" in bad["error"] and "context is 512" in bad["error"]
-    assert "| method | batch | tokens/s | acceptance |" in stdout and "| ragged | 4 |" in stdout
+    assert "| method | batch | k | tokens/s | acceptance |" in stdout and "| ragged | 4 |" in stdout
     assert f"{NUM_PROMPTS + 1} requests (1 with an error)" in stdout and "on 2 replica(s)" in stdout
 
 

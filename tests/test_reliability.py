@@ -111,7 +111,8 @@ def test_specbench_turns_must_be_strings(tmp_path):
 
 def fake_output(index: int) -> SimpleNamespace:
     return SimpleNamespace(index=index, text=f"t{index}", token_ids=[index], prompt_token_ids=[1, index],
-                           finish_reason="length", accepted_counts=[1], latency_s=0.5, time_to_first_token_s=0.1)
+                           finish_reason="length", accepted_counts=[1], speculative_tokens=[3], latency_s=0.5,
+                           time_to_first_token_s=0.1)
 
 
 OUTPUTS = [fake_output(i) for i in range(4)]

@@ -1,0 +1,372 @@
+"""Batch-invariant numerics (`LLM(batch_invariant=True)`): what it fixes, what it costs.
+
+    python bench/batch_invariant.py probe                 # which torch CPU ops are batch-invariant here, per dtype
+    nice python bench/batch_invariant.py equivalence      # greedy spec == AR@1 on SpecBench, mode off and on
+    nice python bench/batch_invariant.py equivalence --num-prompts 64 --dtypes bfloat16   # a CI-sized slice
+    nice python bench/batch_invariant.py cost             # tokens/s with the mode on vs off, both pairs
+
+equivalence: SpecBench's 480 first turns (/work/shared/data/spec_bench/question.jsonl, or --prompts), tokenized
+by the default pair's tokenizer and cut to the first `context - max_tokens - k - 1` tokens (the default pair's
+context is 256), greedy, 32 new tokens, k = 5; AR at batch 1 is the reference, eqspec / ragged / exspec run
+at batch 8; the same dtype and mode for both. Prints the exact-match counts per (dtype, mode, method).
+
+cost: for each pair (the default pair; the synthetic pair of bench/pairs.py) and dtype, one engine with the
+mode off and one with it on (separate model copies), timed in interleaved rounds (off/on order alternating)
+after a warm-up: AR at batch 1 and 8, eqspec / ragged / exspec at batch 8. Reports median tokens/s, the
+slowdown (off / on) and its spread over rounds.
+
+Everything lands in --out (default bench/results/batch_invariant/) as JSON and a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # `bench.pairs`
+
+SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
+DEFAULT_OUT = os.path.join(ROOT, "bench", "results", "batch_invariant")
+SPEC_METHODS = ("eqspec", "ragged", "exspec")
+
+
+def log(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def machine() -> str:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
+    return (f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+            f"{torch.get_num_threads()} torch thread(s), load average {load[0]:.1f} at start")
+
+
+def file_sha(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------------ probe
+def _rows_alone_vs_batched(fn, X, sizes=(1, 2, 3, 4, 5, 8, 17, 48, 130), shifts=(0, 1, 3), alone=24):
+    """Cases where fn(X[s:s+M]) row r differs from fn(X[s+r : s+r+1]): (M, shift) list, of how many."""
+    ref = torch.cat([fn(X[i:i + 1].clone()) for i in range(alone)])
+    bad, total = [], 0
+    for M in sizes:
+        for s in shifts:
+            n = min(M, alone - s)
+            if n <= 0:
+                continue
+            total += 1
+            if not torch.equal(fn(X[s:s + M].clone())[:n], ref[s:s + n]):
+                bad.append((M, s))
+    return bad, total
+
+
+def _elementwise_position(fn, x):
+    """Elements where fn on a contiguous tensor and on a strided view (torch's scalar loop) differ."""
+    pair = torch.stack([x, x], dim=1)  # [N, 2]
+    return int((fn(pair[:, 0].contiguous()) != fn(pair[:, 0])).sum()), x.numel()
+
+
+def _sdpa_case(dtype, pad, T, last, q, k, v):
+    from specdec.kernels import bi_attention as ba
+
+    Hkv, D = k.shape[1], k.shape[3]
+    noise = torch.randn(1, Hkv, pad, D, generator=torch.Generator().manual_seed(pad)).to(dtype)
+    kk = torch.cat([noise, k[:, :, :last + 1]], 2)
+    vv = torch.cat([noise, v[:, :, :last + 1]], 2)
+    qq = q[:, :, last - T + 1: last + 1]
+    W = pad + last + 1
+    c = torch.arange(W)
+    cols = pad + torch.arange(last - T + 1, last + 1)
+    mask = ((c[None] >= pad) & (c[None] <= cols[:, None]))[None]  # [1, T, W]
+    bias = torch.where(mask, torch.zeros((), dtype=dtype), float("-inf"))[:, None]
+    sdpa = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=bias, enable_gqa=True)[:, :, -1]
+    ours = ba.bi_attention(qq, kk, vv, mask, backend="torch")[:, :, -1]
+    return sdpa, ours
+
+
+def probe(args) -> dict:
+    """Measure which torch CPU paths give a row the same bits whatever else is in the call."""
+    from specdec.kernels import bi_matmul as bm
+    from specdec.models.transformer import RMSNorm
+
+    torch.manual_seed(0)
+    results = {}
+    dtypes = (torch.float32, torch.bfloat16, torch.float64)
+    for dtype in dtypes:
+        name = str(dtype).replace("torch.", "")
+        row = results[name] = {}
+        W = torch.randn(640, 384).to(dtype)
+        b = torch.randn(640).to(dtype)
+        X = torch.randn(200, 384).to(dtype)
+        row["F.linear (M = B*T rows)"] = _rows_alone_vs_batched(lambda x: F.linear(x, W, b), X)
+        row["linear, rows padded to 4 (MKL)"] = _rows_alone_vs_batched(lambda x: bm.padded_linear(x, W, b), X)
+        if dtype == torch.float32 and bm.onednn_available():
+            packed = bm.pack_weight(W)
+            row["linear, oneDNN packed weight"] = _rows_alone_vs_batched(
+                lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""), X)
+        row["bi_linear (the mode)"] = _rows_alone_vs_batched(lambda x: bm.bi_linear(x, W, b, backend="torch"), X)
+        Kt = torch.randn(1, 64, 64).to(dtype)
+        row["bmm [rows, 64] x [64, 64], rows padded to 4"] = _rows_alone_vs_batched(
+            lambda x: torch.bmm(torch.cat([x, x.new_zeros(bm.padded_rows(len(x)) - len(x), 64)])[None], Kt)[0, :len(x)],
+            torch.randn(200, 64).to(dtype))
+        norm = RMSNorm(384, 1e-5).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(384))
+            row["RMSNorm (rows)"] = _rows_alone_vs_batched(norm, X * 3)
+        logits = torch.randn(200, 4000).to(dtype) * 4
+        row["softmax over V (rows)"] = _rows_alone_vs_batched(lambda x: x.float().softmax(-1), logits)
+        row["log_softmax over V (rows)"] = _rows_alone_vs_batched(lambda x: x.float().log_softmax(-1), logits)
+        x = (torch.randn(1 << 20) * 4).to(dtype)
+        for op_name, op in (("silu", F.silu), ("sigmoid", torch.sigmoid), ("exp", torch.exp),
+                            ("cos", torch.cos), ("sin", torch.sin), ("x / (1 + exp(-x))", lambda t: t / (1 + torch.exp(-t)))):
+            row[f"{op_name}: vector loop vs scalar tail"] = _elementwise_position(op, x)
+        if dtype == torch.bfloat16:  # every bfloat16 value
+            every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+            every = every[torch.isfinite(every)]
+            row["silu: every bfloat16 input, vector vs scalar"] = _elementwise_position(F.silu, every)
+        H, Hkv, D, L = 6, 2, 64, 300
+        g = torch.Generator().manual_seed(1)
+        q, k, v = (torch.randn(1, h, L, D, generator=g).to(dtype) for h in (H, Hkv, Hkv))
+        sdpa_bad = ours_bad = total = 0
+        for last in (10, 70, 250):
+            base_sdpa, base_ours = _sdpa_case(dtype, 0, 1, last, q, k, v)
+            for pad in (0, 1, 5, 40):
+                for T in (1, 2, 6):
+                    if pad == 0 and T == 1:
+                        continue
+                    s, o = _sdpa_case(dtype, pad, T, last, q, k, v)
+                    total += 1
+                    sdpa_bad += not torch.equal(s, base_sdpa)
+                    ours_bad += not torch.equal(o, base_ours)
+        row["SDPA (query vs T, left padding)"] = ([None] * sdpa_bad, total)
+        row["bi_attention (the mode)"] = ([None] * ours_bad, total)
+    return results
+
+
+def probe_table(results: dict) -> str:
+    dtypes = list(results)
+    ops = list(dict.fromkeys(op for d in dtypes for op in results[d]))
+    lines = ["| op | " + " | ".join(dtypes) + " |", "|---|" + "---|" * len(dtypes)]
+    for op in ops:
+        cells = []
+        for d in dtypes:
+            if op not in results[d]:
+                cells.append("-")
+                continue
+            bad, total = results[d][op]
+            n = bad if isinstance(bad, int) else len(bad)
+            cells.append("invariant" if n == 0 else f"**varies** ({n}/{total})")
+        lines.append(f"| {op} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ equivalence
+def specbench_ids(path: str, tokenizer, num_prompts: int | None, max_prompt_tokens: int) -> tuple[list, int]:
+    """Token ids of the first `num_prompts` prompts (all when None), each cut to its first
+    `max_prompt_tokens` tokens; and how many were cut."""
+    from specdec.prompts import read_prompts
+
+    prompts = read_prompts(path)
+    if num_prompts:
+        prompts = prompts[:num_prompts]
+    ids = [tokenizer.encode(p) for p in prompts]
+    return [x[:max_prompt_tokens] for x in ids], sum(len(x) > max_prompt_tokens for x in ids)
+
+
+def equivalence(args) -> dict:
+    from specdec import LLM, SamplingParams
+    from specdec.models import load_tokenizer
+    from specdec.prompts import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    target, draft = args.target or DEFAULT_TARGET, args.draft or DEFAULT_DRAFT
+    tokenizer = load_tokenizer(target)
+    with open(os.path.join(target, "config.json")) as f:
+        context = json.load(f)["max_position_embeddings"]
+    max_prompt = context - args.max_tokens - args.k - 1
+    ids, cut = specbench_ids(args.prompts, tokenizer, args.num_prompts, max_prompt)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    info = {"target": target, "draft": draft, "target_sha256": file_sha(os.path.join(target, "model.safetensors")),
+            "draft_sha256": file_sha(os.path.join(draft, "model.safetensors")), "prompts": args.prompts,
+            "num_prompts": len(ids), "max_prompt_tokens": max_prompt,
+            "prompts_cut": cut,
+            "max_tokens": args.max_tokens, "k": args.k, "batch_size": args.batch_size, "machine": machine(),
+            "runs": []}
+    for dtype in args.dtypes:
+        for mode in args.modes:
+            t0 = time.perf_counter()
+            ar = LLM(target, method="ar", batch_size=1, dtype=dtype, batch_invariant=mode)
+            ref = ar.generate(prompt_token_ids=ids, sampling_params=params)
+            run = {"dtype": dtype, "batch_invariant": mode, "method": "ar", "batch_size": 1,
+                   "tokens_per_s": ref.metrics.tokens_per_s, "seconds": time.perf_counter() - t0}
+            info["runs"].append(run)
+            log(f"[equivalence] {dtype} mode={'on' if mode else 'off'} ar@1: {run['seconds']:.0f}s")
+            for method in SPEC_METHODS:
+                t0 = time.perf_counter()
+                llm = LLM(target, draft, method=method, num_speculative_tokens=args.k, batch_size=args.batch_size,
+                          dtype=dtype, batch_invariant=mode)
+                outs = llm.generate(prompt_token_ids=ids, sampling_params=params)
+                mismatched = [o.index for o, r in zip(outs, ref) if o.token_ids != r.token_ids]
+                run = {"dtype": dtype, "batch_invariant": mode, "method": method, "batch_size": args.batch_size,
+                       "matches": len(ids) - len(mismatched), "of": len(ids), "mismatched": mismatched,
+                       "acceptance": outs.metrics.acceptance_rate, "tokens_per_s": outs.metrics.tokens_per_s,
+                       "seconds": time.perf_counter() - t0}
+                info["runs"].append(run)
+                log(f"[equivalence] {dtype} mode={'on' if mode else 'off'} {method}@{args.batch_size}: "
+                    f"{run['matches']}/{len(ids)} match AR@1 ({run['seconds']:.0f}s)")
+    return info
+
+
+def equivalence_table(info: dict) -> str:
+    lines = ["| dtype | batch_invariant | " + " | ".join(f"{m} == AR@1" for m in SPEC_METHODS) + " |",
+             "|---|---|" + "---|" * len(SPEC_METHODS)]
+    runs = info["runs"]
+    for dtype in dict.fromkeys(r["dtype"] for r in runs):
+        for mode in dict.fromkeys(r["batch_invariant"] for r in runs if r["dtype"] == dtype):
+            cells = []
+            for m in SPEC_METHODS:
+                r = next((r for r in runs if r["dtype"] == dtype and r["batch_invariant"] == mode and r["method"] == m), None)
+                cells.append("-" if r is None else f"{r['matches']}/{r['of']}")
+            lines.append(f"| {dtype} | {'on' if mode else 'off'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ cost
+COST_CONFIGS = (("ar", 1), ("ar", 8), ("eqspec", 8), ("ragged", 8), ("exspec", 8))
+
+
+def random_ids(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 64))] for _ in range(n)]
+
+
+def cost(args) -> dict:
+    from specdec import LLM, SamplingParams
+    from specdec.models import load_model, load_tokenizer
+    from specdec.prompts import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    info = {"machine": machine(), "rounds": args.rounds, "max_tokens": args.max_tokens, "k": args.k, "cells": []}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    for pair in args.pairs:
+        if pair == "default":
+            target, draft = DEFAULT_TARGET, DEFAULT_DRAFT
+            with open(os.path.join(target, "config.json")) as f:
+                context = json.load(f)["max_position_embeddings"]
+            prompts, _ = specbench_ids(args.prompts, load_tokenizer(target), args.cost_prompts,
+                                       context - args.max_tokens - args.k - 1)
+        else:
+            from bench.pairs import build_synthetic_pair
+
+            target, draft = build_synthetic_pair(os.path.join(ROOT, "bench", "results", "pair"))
+            with open(os.path.join(target, "config.json")) as f:
+                vocab = json.load(f)["vocab_size"]
+            prompts = random_ids(args.cost_prompts, vocab)
+        for dtype in args.dtypes:
+            engines = {}
+            for mode in (False, True):
+                t_model, d_model = load_model(target, dtype=dtype), load_model(draft, dtype=dtype)
+                for method, batch in COST_CONFIGS:
+                    engines[mode, method, batch] = LLM(
+                        t_model, d_model if method != "ar" else None, method=method, batch_size=batch,
+                        num_speculative_tokens=args.k if method != "ar" else "auto", dtype=dtype,
+                        batch_invariant=mode)
+            for key, llm in engines.items():  # warm-up (and oneDNN weight packing) outside the timing
+                llm.generate(prompt_token_ids=prompts[:2], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
+            times = {key: [] for key in engines}
+            for rnd in range(args.rounds):
+                for method, batch in COST_CONFIGS:
+                    n = args.cost_prompts_b1 if batch == 1 else len(prompts)
+                    for mode in ((False, True) if rnd % 2 == 0 else (True, False)):
+                        outs = engines[mode, method, batch].generate(prompt_token_ids=prompts[:n], sampling_params=params)
+                        times[mode, method, batch].append(outs.metrics.tokens_per_s)
+                log(f"[cost] {pair} {dtype} round {rnd + 1}/{args.rounds} done")
+            for method, batch in COST_CONFIGS:
+                off, on = times[False, method, batch], times[True, method, batch]
+                ratios = [a / b for a, b in zip(off, on)]
+                cell = {"pair": pair, "dtype": dtype, "method": method, "batch_size": batch,
+                        "tokens_per_s_off": statistics.median(off), "tokens_per_s_on": statistics.median(on),
+                        "slowdown": statistics.median(ratios), "slowdown_min": min(ratios),
+                        "slowdown_max": max(ratios), "runs_off": off, "runs_on": on}
+                info["cells"].append(cell)
+                log(f"[cost] {pair} {dtype} {method}@{batch}: off {cell['tokens_per_s_off']:.1f} tok/s, on "
+                    f"{cell['tokens_per_s_on']:.1f} tok/s, slowdown {cell['slowdown']:.2f}x")
+            del engines
+    return info
+
+
+def cost_table(info: dict) -> str:
+    lines = ["| pair | dtype | method @ batch | tokens/s off | tokens/s on | slowdown (off/on) | spread |",
+             "|---|---|---|---:|---:|---:|---|"]
+    for c in info["cells"]:
+        lines.append(f"| {c['pair']} | {c['dtype']} | {c['method']} @ {c['batch_size']} | {c['tokens_per_s_off']:.1f} | "
+                     f"{c['tokens_per_s_on']:.1f} | {c['slowdown']:.2f}x | {c['slowdown_min']:.2f}-{c['slowdown_max']:.2f} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("what", choices=("probe", "equivalence", "cost"))
+    p.add_argument("--prompts", default=SPEC_BENCH, help="SpecBench-style question.jsonl (first turns)")
+    p.add_argument("--num-prompts", type=int, default=None, help="equivalence: the first N prompts (default all)")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated")
+    p.add_argument("--modes", default="off,on", help="equivalence: batch_invariant off and/or on")
+    p.add_argument("--target", default=None, help="equivalence: target checkpoint (default: the default pair)")
+    p.add_argument("--draft", default=None, help="equivalence: draft checkpoint (default: the default pair)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("-k", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=8, help="equivalence: batch of the speculative methods")
+    p.add_argument("--pairs", default="default,synthetic", help="cost: comma-separated, default and/or synthetic")
+    p.add_argument("--cost-prompts", type=int, default=16, help="cost: prompts per batch-8 run")
+    p.add_argument("--cost-prompts-b1", type=int, default=4, help="cost: prompts per batch-1 run")
+    p.add_argument("--rounds", type=int, default=3, help="cost: interleaved rounds")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--out", default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    args.modes = [{"off": False, "on": True}[m] for m in args.modes.split(",") if m]
+    args.pairs = [x for x in args.pairs.split(",") if x]
+    torch.set_num_threads(args.threads)
+    os.makedirs(args.out, exist_ok=True)
+    command = "python bench/batch_invariant.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    t0 = time.perf_counter()
+    if args.what == "probe":
+        result, table = probe(args), None
+        table = probe_table(result)
+        result = {"machine": machine(), "table": table}
+    elif args.what == "equivalence":
+        result = equivalence(args)
+        table = equivalence_table(result)
+    else:
+        result = cost(args)
+        table = cost_table(result)
+    result["command"] = command
+    result["seconds"] = time.perf_counter() - t0
+    suffix = f"-{args.num_prompts}" if args.what == "equivalence" and args.num_prompts else ""
+    with open(os.path.join(args.out, f"{args.what}{suffix}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    header = f"`{command}`\n\n{result['machine']}; {result['seconds']:.0f} s"
+    if args.what == "equivalence":
+        header += (f"; target {result['target_sha256']}, draft {result['draft_sha256']} (sha256 of model.safetensors, "
+                   f"first 16 hex); {result['num_prompts']} prompts, {result['prompts_cut']} cut to "
+                   f"{result['max_prompt_tokens']} tokens")
+    text = f"{header}\n\n{table}\n"
+    with open(os.path.join(args.out, f"{args.what}{suffix}.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,725 @@
+"""specdec against what a user would pick instead: transformers' batched `generate` and its assisted generation.
+
+The same prompts and the same number of new tokens go through every method, side by side in one run:
+
+- specdec: `ar`, `eqspec`, `ragged`, `exspec`, each with k = "auto" (chosen every step) and a fixed k, plus
+  `compile=True` variants (`LABEL+compile`);
+- transformers: `hf-ar`, batched greedy `generate` (left-padded, `pad_token_id` set, `do_sample=False`) at
+  every batch size, and `hf-assisted:K` / `hf-assisted:default`, assisted generation (`assistant_model=`,
+  batch 1 only) with K assistant tokens on a constant schedule (confidence stopping off), or with
+  transformers' defaults (20 tokens, drafting stops early when the assistant's confidence falls below
+  0.4, a threshold that transformers re-fits from its ROC curve when scikit-learn is installed).
+
+Every row gets exactly N new tokens: `ignore_eos=True` for specdec; `min_new_tokens = max_new_tokens = N`
+and no EOS id (so nothing stops and nothing is suppressed) for transformers. Same dtype, same threads
+(`torch.set_num_threads`). Per pair and dtype, for each batch size in turn, each method is warmed up
+(untimed: first-call allocations, auto-k's cost calibration, torch.compile's compilation, timed separately
+as "warm-up s"), then all methods run `--repeats` times, interleaved, the order rotating every repeat.
+Reported: tokens/s (N x prompts / wall time of the whole call, prefill included), median and min-max over
+the repeats; the speed-up over `hf-ar` at the same batch size (median of the per-repeat ratios, each
+measured side by side); and greedy exact-match against transformers' greedy output at batch 1 (token ids
+per prompt; `hf-ar` at larger batches gets its own rate: left padding may change its float32/bf16 results).
+
+Pairs: `default` (the embedded specdec/assets/default_pair), `synthetic` (bench/pairs.py: a 113M-parameter
+16-layer damped random Llama with its own first layer as the draft, the cost shape of a 7B/68M pair) and
+`tiny` (the same recipe at toy size, for --quick). Outputs in --out: peers.jsonl (a `meta` line, then one
+line per pair x dtype x method x batch size), peers.md (also printed) and peers-<pair>.png.
+
+    python bench/peers.py --threads 1 --repeats 3                     # both pairs, float32 + bfloat16
+    python bench/peers.py --pairs default --dtypes float32 --prompts /work/shared/data/spec_bench/question.jsonl
+    python bench/peers.py --num-prompts default=16,synthetic=8 --max-tokens default=64,synthetic=32
+    python bench/peers.py --quick                                     # smoke test: tiny pair, seconds
+"""
+from __future__ import annotations
+
+import os
+
+# Small per-token forwards on a shared, oversubscribed CPU are far slower with OpenMP's spin-waiting.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import shlex  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pairs import DEFAULT_PAIR_DIR, SyntheticPairSpec, build_synthetic_pair  # noqa: E402
+from throughput import evenly_spaced, git_revision  # noqa: E402
+
+from specdec import LLM, METHODS, SamplingParams  # noqa: E402
+from specdec.models import load_model, load_tokenizer  # noqa: E402
+from specdec.prompts import DEFAULT_DRAFT, DEFAULT_PROMPTS, DEFAULT_TARGET, read_prompts  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(REPO, "bench", "results", "peers")
+MISSING_TRANSFORMERS = 'bench/peers.py: transformers is not installed: pip install -e ".[test]"'
+PAIRS = ("default", "synthetic", "tiny")
+DEFAULT_METHODS = ("hf-ar,hf-assisted:5,hf-assisted:default,ar,eqspec:auto,eqspec:5,ragged:auto,ragged:5,"
+                   "exspec:auto,exspec:5,ar+compile,eqspec:auto+compile")
+QUICK = dict(pairs="tiny", dtypes="float32", batch_sizes="1,2", num_prompts="2", max_tokens="6", repeats=1,
+             methods="hf-ar,hf-assisted:5,ar,eqspec:auto,ragged:3")
+AUTO_K_MAX = 8  # LLM's default max_speculative_tokens: what "auto" may propose (sizes the context check)
+
+
+# ---------------------------------------------------------------------------------------------- methods
+@dataclass(frozen=True)
+class Variant:
+    """One compared method: `engine` "specdec" (method ar/eqspec/ragged/exspec) or "hf" (method ar/assisted)."""
+
+    label: str
+    engine: str
+    method: str
+    k: int | str | None = None  # specdec: int or "auto"; hf-assisted: int or "default"
+    compile: bool = False
+
+    def runs_at(self, batch_size: int) -> bool:
+        return not (self.engine == "hf" and self.method == "assisted" and batch_size != 1)
+
+    @property
+    def speculative(self) -> bool:
+        return self.method != "ar"
+
+
+def parse_variant(label: str) -> Variant:
+    """'hf-ar', 'hf-assisted:5', 'hf-assisted:default', 'ar', 'ragged' (= ragged:auto), 'ragged:5',
+    'eqspec:auto+compile', 'ar+compile'. Raises ValueError naming the label."""
+    text = label.strip()
+    compiled = text.endswith("+compile")
+    base = text[: -len("+compile")] if compiled else text
+    name, _, k = base.partition(":")
+    if name == "hf-ar" and not k and not compiled:
+        return Variant("hf-ar", "hf", "ar")
+    if name == "hf-assisted" and not compiled:
+        if k == "default":
+            return Variant("hf-assisted:default", "hf", "assisted", "default")
+        if k.isdigit() and int(k) >= 1:
+            return Variant(f"hf-assisted:{int(k)}", "hf", "assisted", int(k))
+        raise ValueError(f"--methods {label!r}: hf-assisted takes ':K' (an integer >= 1) or ':default'")
+    if name not in METHODS:
+        raise ValueError(f"--methods {label!r}: unknown method; choose from hf-ar, hf-assisted:K, "
+                         f"hf-assisted:default, {', '.join(METHODS)} (with ':K' or ':auto', and '+compile')")
+    if name == "ar":
+        if k:
+            raise ValueError(f"--methods {label!r}: ar takes no k")
+        return Variant("ar+compile" if compiled else "ar", "specdec", "ar", None, compiled)
+    k = k or "auto"
+    if k != "auto" and not (k.isdigit() and int(k) >= 1):
+        raise ValueError(f"--methods {label!r}: k must be 'auto' or an integer >= 1")
+    k = k if k == "auto" else int(k)
+    return Variant(f"{name}:{k}" + ("+compile" if compiled else ""), "specdec", name, k, compiled)
+
+
+def per_pair(text: str, flag: str, pairs) -> dict[str, int]:
+    """'16' (every pair) or 'default=16,synthetic=8' (others: the bare value if one is given, else error)."""
+    values, fallback = {}, None
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, value = part.rpartition("=")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{flag} {text!r}: values must be integers >= 1")
+        if not sep:
+            fallback = int(value)
+        elif name not in PAIRS:
+            raise ValueError(f"{flag} {text!r}: unknown pair {name!r} (choose from {', '.join(PAIRS)})")
+        else:
+            values[name] = int(value)
+    missing = [p for p in pairs if p not in values and fallback is None]
+    if missing:
+        raise ValueError(f"{flag} {text!r}: no value for pair(s) {', '.join(missing)}")
+    return {p: values.get(p, fallback) for p in pairs}
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="specdec's methods against transformers' batched generate and assisted generation: same "
+                    "prompts, exactly N new tokens each, greedy, interleaved and repeated. Writes peers.jsonl, "
+                    "peers.md (printed) and peers-<pair>.png to --out.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--pairs", default="default,synthetic",
+                   help=f"comma-separated pairs from {', '.join(PAIRS)} (default: the embedded pair; synthetic: "
+                        f"bench/pairs.py's 113M/19M pair; tiny: the toy version)")
+    p.add_argument("--pair-dir", default=None,
+                   help="cache folder for the synthetic/tiny pairs (built once, reused while the recipe matches); "
+                        f"each goes to PAIR_DIR/<pair>. Default: {os.path.relpath(DEFAULT_PAIR_DIR, REPO)} and "
+                        f"{os.path.relpath(DEFAULT_PAIR_DIR, REPO)}-tiny, shared with bench/throughput.py")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated model dtypes")
+    p.add_argument("--batch-sizes", default="1,8,16", help="comma-separated batch sizes")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma-separated: hf-ar, hf-assisted:K (constant K assistant tokens, confidence stopping "
+                        "off), hf-assisted:default (transformers' defaults), and specdec's ar/eqspec/ragged/exspec "
+                        "with ':auto' or ':K' (bare = auto), '+compile' for LLM(compile=True)")
+    p.add_argument("--prompts", default=None,
+                   help="prompt file (.jsonl: SpecBench 'turns' (first turn) or 'prompt'; .txt: one per line). "
+                        f"Default: {os.path.relpath(DEFAULT_PROMPTS, REPO)}. Prompts are taken evenly spaced; "
+                        "pairs without a tokenizer read them as UTF-8 bytes (id = byte + 3)")
+    p.add_argument("--num-prompts", default="16",
+                   help="prompts per run: one integer, or per pair, e.g. 'default=16,synthetic=8'")
+    p.add_argument("--max-tokens", default="64",
+                   help="new tokens per prompt (exactly this many for every method): one integer or per pair")
+    p.add_argument("--max-prompt-tokens", type=int, default=128,
+                   help="truncate longer prompts to this many tokens (and to what the context leaves)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads for every method (default: torch's choice)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of every method at every batch size")
+    p.add_argument("--out", default=DEFAULT_OUT, help="output folder")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) +
+                        " (explicit flags still win)")
+    given = set()
+    for a in (sys.argv[1:] if argv is None else argv):
+        if a.startswith("--"):
+            given.add(a[2:].split("=")[0].replace("-", "_"))
+    args = p.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            if key not in given:
+                setattr(args, key, value)
+    try:
+        args.pairs = [x.strip() for x in args.pairs.split(",") if x.strip()]
+        bad = [x for x in args.pairs if x not in PAIRS]
+        if bad or not args.pairs:
+            raise ValueError(f"--pairs: unknown pair(s) {bad}; choose from {', '.join(PAIRS)}")
+        args.dtypes = [x.strip() for x in args.dtypes.split(",") if x.strip()]
+        bad = [x for x in args.dtypes if x not in ("float32", "bfloat16", "float16", "float64")]
+        if bad or not args.dtypes:
+            raise ValueError(f"--dtypes: unknown dtype(s) {bad}; choose from float32, bfloat16, float16, float64")
+        if not all(b.strip().isdigit() and int(b) >= 1 for b in args.batch_sizes.split(",") if b.strip()):
+            raise ValueError(f"--batch-sizes {args.batch_sizes!r}: integers >= 1")
+        args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
+        args.variants = [parse_variant(m) for m in args.methods.split(",") if m.strip()]
+        if len({v.label for v in args.variants}) != len(args.variants):
+            raise ValueError(f"--methods {args.methods!r}: a method is listed twice")
+        args.num_prompts = per_pair(str(args.num_prompts), "--num-prompts", args.pairs)
+        args.max_tokens = per_pair(str(args.max_tokens), "--max-tokens", args.pairs)
+        if args.prompts is not None and not os.path.isfile(args.prompts):
+            raise ValueError(f"--prompts {args.prompts}: no such file")
+        if args.repeats < 1 or args.max_prompt_tokens < 1 or (args.threads is not None and args.threads < 1):
+            raise ValueError("--repeats, --max-prompt-tokens and --threads must be >= 1")
+    except ValueError as err:
+        p.error(str(err))
+    if not args.batch_sizes or not args.variants:
+        p.error("--batch-sizes and --methods must not be empty")
+    return args
+
+
+def require_transformers():
+    """transformers is a test/bench-only dependency: without it, one line and exit status 2."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print(MISSING_TRANSFORMERS, file=sys.stderr)
+        raise SystemExit(2)
+
+
+# ---------------------------------------------------------------------------------------------- models
+def sha256_prefix(path: str, n: int = 12) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:n]
+
+
+def pair_paths(name: str, args) -> tuple[str, str]:
+    if name == "default":
+        return DEFAULT_TARGET, DEFAULT_DRAFT
+    spec = SyntheticPairSpec() if name == "synthetic" else SyntheticPairSpec.quick()
+    folder = (os.path.join(args.pair_dir, name) if args.pair_dir else
+              DEFAULT_PAIR_DIR + ("-tiny" if name == "tiny" else ""))
+    return build_synthetic_pair(folder, spec)
+
+
+@dataclass
+class Pair:
+    """One pair in one dtype: specdec's eager models (shared by every eager specdec method), transformers' models."""
+
+    name: str
+    dtype: str
+    target_dir: str
+    draft_dir: str
+    target: object
+    draft: object
+    hf_target: object
+    hf_draft: object
+    tokenizer: object
+    pad_token_id: int
+    max_context: int
+    info: dict = field(default_factory=dict)
+
+
+def load_pair(name: str, dtype: str, args) -> Pair:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    target_dir, draft_dir = pair_paths(name, args)
+    torch_dtype = getattr(torch, dtype)
+    target = load_model(target_dir, dtype=dtype, device="cpu")
+    draft = load_model(draft_dir, dtype=dtype, device="cpu")
+    hf_target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch_dtype).eval()
+    hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch_dtype).eval()
+    pad = hf_target.config.pad_token_id
+    pad = 0 if pad is None else int(pad)
+    for m in (hf_target, hf_draft):  # no EOS anywhere: nothing stops early and min_new_tokens suppresses nothing
+        m.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=pad, bos_token_id=None)
+    tokenizer = (load_tokenizer(target_dir) if any(os.path.exists(os.path.join(target_dir, f))
+                                                   for f in ("tokenizer.model", "tokenizer.json")) else None)
+    max_context = min(m.cfg.max_position_embeddings for m in (target, draft))
+    info = {
+        "target_dir": os.path.relpath(target_dir, REPO), "draft_dir": os.path.relpath(draft_dir, REPO),
+        "target_sha256": sha256_prefix(os.path.join(target_dir, "model.safetensors")),
+        "draft_sha256": sha256_prefix(os.path.join(draft_dir, "model.safetensors")),
+        "target_params": sum(p.numel() for p in target.parameters()),
+        "draft_params": sum(p.numel() for p in draft.parameters()),
+        "target_layers": target.cfg.num_layers, "draft_layers": draft.cfg.num_layers,
+        "hidden_size": target.cfg.hidden_size, "vocab_size": target.vocab_size, "max_context": max_context,
+        "hf_attn_implementation": hf_target.config._attn_implementation,
+    }
+    return Pair(name, dtype, target_dir, draft_dir, target, draft, hf_target, hf_draft, tokenizer, pad,
+                max_context, info)
+
+
+def build_prompts(pair: Pair, num_prompts: int, max_tokens: int, args) -> tuple[list[list[int]], str]:
+    """Token-id prompts (the same ids for every method) and a one-line description."""
+    path = args.prompts or DEFAULT_PROMPTS
+    texts = evenly_spaced(read_prompts(path), num_prompts)
+    vocab = pair.target.vocab_size
+    if pair.tokenizer is not None:
+        ids, how = [pair.tokenizer.encode(t) for t in texts], "target tokenizer"
+    else:
+        ids, how = [[(b + 3) % vocab for b in t.encode("utf-8")] for t in texts], "UTF-8 bytes + 3 (no tokenizer)"
+    room = pair.max_context - max_tokens - AUTO_K_MAX - 2  # what auto k's verify pass may need on top
+    if room < 1:
+        raise ValueError(f"--max-tokens {max_tokens} leaves no room for a prompt in the {pair.name} pair's "
+                         f"context of {pair.max_context}")
+    limit = min(args.max_prompt_tokens, room)
+    ids = [x[:limit] for x in ids]
+    lengths = sorted(len(x) for x in ids)
+    shown = os.path.relpath(path, REPO) if path.startswith(REPO) else path
+    return ids, (f"{shown}: {num_prompts} prompts ({how}), truncated to {limit} tokens; lengths "
+                 f"{lengths[0]} / {int(statistics.median(lengths))} / {lengths[-1]} (min / median / max)")
+
+
+# ---------------------------------------------------------------------------------------------- running
+@dataclass
+class Run:
+    seconds: float
+    tokens: list[list[int]]
+    acceptance: float | None = None
+    k_histogram: dict | None = None
+    recalibrated: bool = False
+
+
+class Runner:
+    """Runs one variant on one pair: `run(prompts, B, N)` returns a Run (outputs in prompt order)."""
+
+    def __init__(self, variant: Variant, pair: Pair, max_batch_size: int = 1):
+        self.variant, self.pair = variant, pair
+        self.window_size = max(48, max_batch_size)  # EXSPEC's pool holds the largest batch
+        self.llm = None
+        if variant.engine == "specdec":
+            if variant.compile:  # its own copies: LLM(compile=True) compiles the model objects it is given
+                self.models = (load_model(pair.target_dir, dtype=pair.dtype, device="cpu"),
+                               load_model(pair.draft_dir, dtype=pair.dtype, device="cpu"))
+            else:  # every eager method shares the pair's models
+                self.models = (pair.target, pair.draft)
+            self.llm = self._new_llm(compile=variant.compile)
+
+    def _new_llm(self, compile: bool) -> LLM:
+        v = self.variant
+        return LLM(target=self.models[0], draft=self.models[1], method=v.method,
+                   num_speculative_tokens=5 if v.k is None else v.k, batch_size=1, dtype=self.pair.dtype,
+                   device="cpu", window_size=self.window_size, tokenizer=self.pair.tokenizer, compile=compile,
+                   check_invariants=False, cost_cache="")
+
+    def warm_up(self, prompts, batch_size: int, max_tokens: int) -> float:
+        """Untimed run(s) before the timed ones; returns their seconds (compilation included).
+
+        A compiled variant runs a full batch, so that every graph its timed runs need gets built; with k =
+        "auto" it then gets a fresh LLM on the same, now compiled, models and runs once more, so that auto k
+        calibrates its cost model on compiled forwards rather than on forwards that were compiling."""
+        v = self.variant
+        t0 = time.perf_counter()
+        n = min(batch_size, len(prompts)) if v.compile else min(batch_size, 2)
+        warm = near_median(prompts, n)
+        self.run(warm, batch_size, max_tokens)
+        if v.compile and v.k == "auto":
+            self.llm = self._new_llm(compile=False)  # compile=False: keep the compiled forwards, compile nothing new
+            self.run(warm, batch_size, max_tokens)
+        return time.perf_counter() - t0
+
+    def run(self, prompts, batch_size: int, max_tokens: int) -> Run:
+        v = self.variant
+        if v.engine == "specdec":
+            return self._specdec(prompts, batch_size, max_tokens)
+        if v.method == "ar":
+            return self._hf_generate(prompts, batch_size, max_tokens)
+        return self._hf_assisted(prompts, max_tokens)
+
+    def _specdec(self, prompts, batch_size, max_tokens) -> Run:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        chooser = getattr(self.llm, "chooser", None)
+        key = getattr(chooser, "key", None)
+        t0 = time.perf_counter()
+        outs = self.llm.generate(prompt_token_ids=prompts, sampling_params=params, batch_size=batch_size)
+        seconds = time.perf_counter() - t0
+        tokens = [list(o.token_ids) for o in outs]
+        m = outs.metrics
+        return Run(seconds, _exact_length(tokens, max_tokens, self.variant.label),
+                   m.acceptance_rate if self.variant.speculative else None,
+                   {int(k): n for k, n in m.k_histogram.items()} if self.variant.speculative else None,
+                   key is not None and getattr(chooser, "key", None) != key)
+
+    def _generation_config(self, max_tokens):
+        from transformers import GenerationConfig
+
+        return GenerationConfig(do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                eos_token_id=None, pad_token_id=self.pair.pad_token_id, bos_token_id=None)
+
+    @torch.inference_mode()
+    def _hf_generate(self, prompts, batch_size, max_tokens) -> Run:
+        config = self._generation_config(max_tokens)
+        batches = [left_pad(prompts[i:i + batch_size], self.pair.pad_token_id)
+                   for i in range(0, len(prompts), batch_size)]
+        tokens = []
+        t0 = time.perf_counter()
+        for input_ids, mask in batches:
+            out = self.pair.hf_target.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+            tokens += out[:, input_ids.shape[1]:].tolist()  # [b, N]
+        return Run(time.perf_counter() - t0, _exact_length(tokens, max_tokens, self.variant.label))
+
+    @torch.inference_mode()
+    def _hf_assisted(self, prompts, max_tokens) -> Run:
+        config = self._generation_config(max_tokens)
+        self.pair.hf_draft.generation_config = assistant_config(self.variant.k, self.pair.pad_token_id)
+        inputs = [torch.tensor([p], dtype=torch.long) for p in prompts]  # [1, L] each
+        tokens = []
+        t0 = time.perf_counter()
+        for input_ids in inputs:
+            out = self.pair.hf_target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                               generation_config=config, assistant_model=self.pair.hf_draft)
+            tokens += out[:, input_ids.shape[1]:].tolist()  # [1, N]
+        return Run(time.perf_counter() - t0, _exact_length(tokens, max_tokens, self.variant.label))
+
+
+def _exact_length(tokens, n, label):
+    bad = [i for i, t in enumerate(tokens) if len(t) != n]
+    if bad:
+        raise RuntimeError(f"{label}: prompt {bad[0]} got {len(tokens[bad[0]])} new tokens, not {n}")
+    return tokens
+
+
+def left_pad(prompts, pad_id: int):
+    """input_ids [b, L] left-padded with pad_id and attention_mask [b, L] (1 on real tokens)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p):] = 1
+    return ids, mask
+
+
+def assistant_config(k, pad_id: int):
+    """The assistant's GenerationConfig (transformers reads the schedule from the assistant model): K constant
+    tokens with confidence stopping off, or transformers' defaults ("default": every field left unset)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(eos_token_id=None, pad_token_id=pad_id, bos_token_id=None)
+    if k != "default":
+        config.num_assistant_tokens = int(k)
+        config.num_assistant_tokens_schedule = "constant"
+        config.assistant_confidence_threshold = 0.0
+    return config
+
+
+def hf_assisted_defaults() -> dict:
+    """What `hf-assisted:default` runs with (transformers' global defaults) and whether the threshold adapts."""
+    from transformers import GenerationConfig
+
+    try:
+        defaults = GenerationConfig()._get_default_generation_params()
+    except AttributeError:
+        defaults = {}
+    try:
+        import sklearn  # noqa: F401
+        adapts = True
+    except ImportError:
+        adapts = False
+    return {"num_assistant_tokens": defaults.get("num_assistant_tokens"),
+            "num_assistant_tokens_schedule": defaults.get("num_assistant_tokens_schedule"),
+            "assistant_confidence_threshold": defaults.get("assistant_confidence_threshold"),
+            "threshold_refit_with_sklearn": adapts}
+
+
+def near_median(prompts, n: int):
+    """The n prompts whose lengths are closest to the median: a warm-up in auto k's context bucket."""
+    median = statistics.median(len(p) for p in prompts)
+    return sorted(prompts, key=lambda p: abs(len(p) - median))[:n]
+
+
+def hf_reference(pair: Pair, prompts, max_tokens: int) -> tuple[list[list[int]], float]:
+    """transformers' greedy output at batch 1, every prompt (untimed; also warms transformers up)."""
+    t0 = time.perf_counter()
+    run = Runner(Variant("hf-ar", "hf", "ar"), pair).run(prompts, 1, max_tokens)
+    return run.tokens, time.perf_counter() - t0
+
+
+def bench_pair(pair: Pair, prompts, max_tokens: int, args, progress) -> tuple[list[dict], dict]:
+    """Warm up and time every variant at every batch size; returns the summary rows and this config's info."""
+    load_before = os.getloadavg()
+    reference, ref_s = hf_reference(pair, prompts, max_tokens)
+    progress(f"{pair.name}/{pair.dtype}: transformers' batch-1 reference in {ref_s:.1f}s")
+    runners = {}
+    for v in args.variants:
+        t0 = time.perf_counter()
+        runners[v.label] = Runner(v, pair, max(args.batch_sizes))
+        if time.perf_counter() - t0 > 1:
+            progress(f"{pair.name}/{pair.dtype}: built {v.label} in {time.perf_counter() - t0:.1f}s")
+    rows = []
+    for B in args.batch_sizes:
+        active = [v for v in args.variants if v.runs_at(B)]
+        warmup = {}
+        for v in active:  # untimed: allocations, auto k's calibration at this B, compilation
+            warmup[v.label] = runners[v.label].warm_up(prompts, B, max_tokens)
+            progress(f"{pair.name}/{pair.dtype} B={B}: warmed up {v.label} in {warmup[v.label]:.1f}s")
+        runs: dict[str, list[Run]] = {v.label: [] for v in active}
+        for r in range(args.repeats):
+            order = active[r % len(active):] + active[: r % len(active)]  # rotate: no method always first
+            for v in order:
+                runs[v.label].append(runners[v.label].run(prompts, B, max_tokens))
+            progress(f"{pair.name}/{pair.dtype} B={B}: repeat {r + 1}/{args.repeats} " + ", ".join(
+                f"{v.label} {len(prompts) * max_tokens / runs[v.label][-1].seconds:.0f}" for v in active) + " tok/s")
+        rows += summarise(pair, B, active, runs, warmup, reference, len(prompts) * max_tokens)
+    info = {"pair": pair.name, "dtype": pair.dtype, **pair.info, "max_tokens": max_tokens,
+            "num_prompts": len(prompts), "reference_s": ref_s, "loadavg_before": list(load_before),
+            "loadavg_after": list(os.getloadavg()), "dynamo_stats": dict(_dynamo_counters()["stats"])}
+    return rows, info
+
+
+def _dynamo_counters():
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+# ---------------------------------------------------------------------------------------------- summary
+def spread(values) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def summarise(pair: Pair, B: int, active, runs, warmup, reference, total_tokens: int) -> list[dict]:
+    base = runs.get("hf-ar")
+    rows = []
+    for v in active:
+        rs = runs[v.label]
+        tps = [total_tokens / r.seconds for r in rs]
+        first = rs[0].tokens
+        row = {
+            "type": "row", "pair": pair.name, "dtype": pair.dtype, "batch_size": B, "method": v.label,
+            "engine": v.engine, "base_method": v.method, "k": v.k, "compile": v.compile,
+            "tokens_per_s": spread(tps), "tokens_per_s_runs": tps, "seconds_runs": [r.seconds for r in rs],
+            "speedup_vs_hf_ar": (spread([t * base[i].seconds / total_tokens for i, t in enumerate(tps)])
+                                 if base else None),
+            "exact_match_vs_hf_b1": sum(a == b for a, b in zip(first, reference)) / len(reference),
+            "prefix_match_vs_hf_b1": statistics.mean(common_prefix(a, b) / len(b) for a, b in zip(first, reference)),
+            "same_tokens_every_repeat": all(r.tokens == first for r in rs),
+            "warmup_s": warmup[v.label], "recalibrated_runs": sum(r.recalibrated for r in rs),
+        }
+        if v.engine == "specdec" and v.speculative:
+            mid = sorted(rs, key=lambda r: r.seconds)[len(rs) // 2]
+            hist = mid.k_histogram or {}
+            steps = sum(hist.values())
+            row.update(acceptance_rate=mid.acceptance, k_histogram={str(k): n for k, n in sorted(hist.items())},
+                       mean_k=sum(k * n for k, n in hist.items()) / steps if steps else None)
+        rows.append(row)
+    return rows
+
+
+def fmt_spread(s, spec="{:.1f}") -> str:
+    if s is None:
+        return "–"
+    return f"{spec.format(s['median'])} ({spec.format(s['min'])}–{spec.format(s['max'])})"
+
+
+def k_text(row) -> str:
+    if row["engine"] == "hf":
+        if row["base_method"] == "ar":
+            return "–"
+        return "20, confidence stop" if row["k"] == "default" else f"{row['k']} constant"
+    if row["k"] is None:
+        return "–"
+    if row["k"] == "auto" and row.get("mean_k") is not None:
+        zero = int(row["k_histogram"].get("0", 0)) / max(1, sum(row["k_histogram"].values()))
+        return f"auto (mean {row['mean_k']:.1f}, {zero:.0%} k=0)"
+    return str(row["k"])
+
+
+def table(rows) -> str:
+    head = ("| B | method | k | tokens/s median (min–max) | × hf-ar@B median (min–max) | exact vs HF@1 | "
+            "prefix vs HF@1 | acceptance | warm-up s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        name = r["method"] if r["engine"] == "specdec" else f"*{r['method']}*"
+        acc = r.get("acceptance_rate")
+        recal = f" ({r['recalibrated_runs']} recalibrated)" if r["recalibrated_runs"] else ""
+        lines.append(
+            f"| {r['batch_size']} | {name} | {k_text(r)} | {fmt_spread(r['tokens_per_s'])} | "
+            f"{fmt_spread(r['speedup_vs_hf_ar'], '{:.2f}')} | {r['exact_match_vs_hf_b1']:.0%}"
+            f"{'' if r['same_tokens_every_repeat'] else ' (varies)'} | {r['prefix_match_vs_hf_b1']:.0%} | "
+            f"{'–' if acc is None else f'{acc:.0%}'} | {r['warmup_s']:.1f}{recal} |")
+    return "\n".join(lines)
+
+
+def headline(rows) -> list[str]:
+    """Per batch size: specdec's fastest variant against transformers' fastest at that batch size."""
+    out = []
+    for B in sorted({r["batch_size"] for r in rows}):
+        at = [r for r in rows if r["batch_size"] == B]
+        ours = [r for r in at if r["engine"] == "specdec"]
+        theirs = [r for r in at if r["engine"] == "hf"]
+        if not ours or not theirs:
+            continue
+        best = max(ours, key=lambda r: r["tokens_per_s"]["median"])
+        peer = max(theirs, key=lambda r: r["tokens_per_s"]["median"])
+        ratio = best["tokens_per_s"]["median"] / peer["tokens_per_s"]["median"]
+        out.append(f"B = {B}: fastest specdec `{best['method']}` {best['tokens_per_s']['median']:.1f} tok/s vs "
+                   f"fastest transformers `{peer['method']}` {peer['tokens_per_s']['median']:.1f} tok/s: "
+                   f"**{ratio:.2f}×**")
+    return out
+
+
+def config_header(info: dict) -> str:
+    return (f"target {info['target_dir']} ({info['target_params'] / 1e6:.1f}M params, {info['target_layers']} layers, "
+            f"sha256 {info['target_sha256']}), draft {info['draft_dir']} ({info['draft_params'] / 1e6:.1f}M, "
+            f"{info['draft_layers']} layer(s), sha256 {info['draft_sha256']})  \n"
+            f"prompts: {info['prompts']}; {info['max_tokens']} new tokens each, greedy, no EOS stop  \n"
+            f"load average (1/5/15 min) {'/'.join(f'{x:.1f}' for x in info['loadavg_before'])} before, "
+            f"{'/'.join(f'{x:.1f}' for x in info['loadavg_after'])} after")
+
+
+def render(rows, meta) -> str:
+    md = [f"command: `{meta['command']}`  ",
+          f"git {meta['git'] or '?'}, torch {meta['torch']}, transformers {meta['transformers']}, python "
+          f"{meta['python']}, {meta['threads']} thread(s) of {meta['cpu_count']} CPUs, repeats {meta['repeats']}, "
+          f"{meta['date']}  ",
+          f"hf-assisted:default = transformers' defaults {json.dumps(meta['hf_assisted_default'])}"]
+    for info in meta["configs"]:
+        sub = [r for r in rows if r["pair"] == info["pair"] and r["dtype"] == info["dtype"]]
+        md += ["", f"#### {info['pair']} pair, {info['dtype']}", "", config_header(info), ""]
+        md += [f"- {line}" for line in headline(sub)] + ["", table(sub)]
+    return "\n".join(md) + "\n"
+
+
+def plot(rows, meta, out_dir) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for pair in dict.fromkeys(info["pair"] for info in meta["configs"]):
+        dtypes = [i["dtype"] for i in meta["configs"] if i["pair"] == pair]
+        sizes = sorted({r["batch_size"] for r in rows if r["pair"] == pair})
+        fig, axes = plt.subplots(len(dtypes), len(sizes), figsize=(3.6 * len(sizes), 0.5 + 0.32 * 14 * len(dtypes)),
+                                 squeeze=False)
+        for i, dtype in enumerate(dtypes):
+            for j, B in enumerate(sizes):
+                ax = axes[i][j]
+                sub = [r for r in rows if r["pair"] == pair and r["dtype"] == dtype and r["batch_size"] == B]
+                med = [r["tokens_per_s"]["median"] for r in sub]
+                err = [[m - r["tokens_per_s"]["min"] for m, r in zip(med, sub)],
+                       [r["tokens_per_s"]["max"] - m for m, r in zip(med, sub)]]
+                colors = ["0.45" if r["engine"] == "hf" else ("C3" if r["compile"] else "C0") for r in sub]
+                ax.barh(range(len(sub)), med, xerr=err, color=colors, capsize=2)
+                ax.set_yticks(range(len(sub)), [r["method"] for r in sub], fontsize=7)
+                ax.invert_yaxis()
+                hf = next((r for r in sub if r["method"] == "hf-ar"), None)
+                if hf:
+                    ax.axvline(hf["tokens_per_s"]["median"], color="k", lw=0.8, ls="--")
+                ax.set_title(f"{dtype}, B = {B}", fontsize=9)
+                ax.set_xlabel("tokens/s (median, min–max)", fontsize=8)
+                ax.tick_params(axis="x", labelsize=7)
+                ax.grid(alpha=0.3, axis="x")
+        fig.suptitle(f"{pair} pair: specdec (blue; compiled red) vs transformers (grey; dashed: hf-ar)", fontsize=10)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"peers-{pair}.png")
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main(argv=None):
+    args = parse_args(argv)
+    require_transformers()
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # compiled variants each compile their own model copies: room for all their graphs (4 per model)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.perf_counter()
+
+    def progress(msg):
+        print(f"[peers] {msg}", file=sys.stderr, flush=True)
+
+    command = "python " + " ".join(shlex.quote(a) for a in (["bench/peers.py"] + (sys.argv[1:] if argv is None
+                                                                                   else list(argv))))
+    meta = {"type": "meta", "command": command, "git": git_revision(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+            "repeats": args.repeats, "batch_sizes": args.batch_sizes, "methods": [v.label for v in args.variants],
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "loadavg_start": list(os.getloadavg()),
+            "hf_assisted_default": hf_assisted_defaults(), "configs": []}
+    rows = []
+    for name in args.pairs:
+        for dtype in args.dtypes:
+            progress(f"loading the {name} pair in {dtype}")
+            torch._dynamo.reset()  # drop the previous configuration's compiled graphs
+            pair = load_pair(name, dtype, args)
+            prompts, source = build_prompts(pair, args.num_prompts[name], args.max_tokens[name], args)
+            progress(f"{name}/{dtype}: {source}")
+            if max(args.batch_sizes) > len(prompts):
+                progress(f"warning: batch size {max(args.batch_sizes)} > {len(prompts)} prompts: it never fills")
+            pair_rows, info = bench_pair(pair, prompts, args.max_tokens[name], args, progress)
+            info["prompts"] = source
+            rows += pair_rows
+            meta["configs"].append(info)
+            del pair
+    meta["loadavg_end"] = list(os.getloadavg())
+    meta["total_time_s"] = time.perf_counter() - t_start
+    with open(os.path.join(args.out, "peers.jsonl"), "w") as f:
+        f.write(json.dumps(meta) + "\n")
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    md = render(rows, meta)
+    pngs = [] if args.no_plots else plot(rows, meta, args.out)
+    md += "".join(f"\n![{os.path.basename(p)}]({os.path.basename(p)})\n" for p in pngs)
+    with open(os.path.join(args.out, "peers.md"), "w") as f:
+        f.write(md)
+    print(md)
+    progress(f"wrote peers.jsonl, peers.md{' and PNGs' if pngs else ''} to {args.out} in {meta['total_time_s']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
