@@ -353,7 +353,9 @@ def main(argv=None) -> int:
         table = cost_table(result)
     result["command"] = command
     result["seconds"] = time.perf_counter() - t0
-    suffix = f"-{args.num_prompts}" if args.what == "equivalence" and args.num_prompts else ""
+    suffix = ""
+    if args.what == "equivalence":  # slices and single-dtype runs get their own files (runs may go in parallel)
+        suffix = (f"-{args.num_prompts}" if args.num_prompts else "") + (f"-{args.dtypes[0]}" if len(args.dtypes) == 1 else "")
     with open(os.path.join(args.out, f"{args.what}{suffix}.json"), "w") as f:
         json.dump(result, f, indent=1)
     header = f"`{command}`\n\n{result['machine']}; {result['seconds']:.0f} s"

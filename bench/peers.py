@@ -27,7 +27,7 @@ line per pair x dtype x method x batch size), peers.md (also printed) and peers-
 
     python bench/peers.py --threads 1 --repeats 3                     # both pairs, float32 + bfloat16
     python bench/peers.py --pairs default --dtypes float32 --prompts /work/shared/data/spec_bench/question.jsonl
-    python bench/peers.py --num-prompts default=16,synthetic=8 --max-tokens default=64,synthetic=32
+    python bench/peers.py --num-prompts 16,synthetic/bfloat16=4 --max-tokens 64,synthetic=32
     python bench/peers.py --quick                                     # smoke test: tiny pair, seconds
 """
 from __future__ import annotations
@@ -62,6 +62,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "peers")
 MISSING_TRANSFORMERS = 'bench/peers.py: transformers is not installed: pip install -e ".[test]"'
 PAIRS = ("default", "synthetic", "tiny")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEFAULT_METHODS = ("hf-ar,hf-assisted:5,hf-assisted:default,ar,eqspec:auto,eqspec:5,ragged:auto,ragged:5,"
                    "exspec:auto,exspec:5,ar+compile,eqspec:auto+compile")
 QUICK = dict(pairs="tiny", dtypes="float32", batch_sizes="1,2", num_prompts="2", max_tokens="6", repeats=1,
@@ -117,23 +118,26 @@ def parse_variant(label: str) -> Variant:
     return Variant(f"{name}:{k}" + ("+compile" if compiled else ""), "specdec", name, k, compiled)
 
 
-def per_pair(text: str, flag: str, pairs) -> dict[str, int]:
-    """'16' (every pair) or 'default=16,synthetic=8' (others: the bare value if one is given, else error)."""
-    values, fallback = {}, None
+def per_config(text: str, flag: str, pairs, dtypes) -> dict[tuple[str, str], int]:
+    """A value for every (pair, dtype): '16' (all), or comma-separated 'N', 'PAIR=N', 'PAIR/DTYPE=N' (the most
+    specific wins), e.g. '16,synthetic/bfloat16=4'. Raises ValueError naming the flag."""
+    values: dict[str, int] = {}
     for part in (p.strip() for p in text.split(",") if p.strip()):
-        name, sep, value = part.rpartition("=")
+        key, _, value = part.rpartition("=")
         if not value.isdigit() or int(value) < 1:
             raise ValueError(f"{flag} {text!r}: values must be integers >= 1")
-        if not sep:
-            fallback = int(value)
-        elif name not in PAIRS:
-            raise ValueError(f"{flag} {text!r}: unknown pair {name!r} (choose from {', '.join(PAIRS)})")
-        else:
-            values[name] = int(value)
-    missing = [p for p in pairs if p not in values and fallback is None]
-    if missing:
-        raise ValueError(f"{flag} {text!r}: no value for pair(s) {', '.join(missing)}")
-    return {p: values.get(p, fallback) for p in pairs}
+        name, _, dtype = key.partition("/")
+        if key and (name not in PAIRS or (dtype and dtype not in DTYPES)):
+            raise ValueError(f"{flag} {text!r}: unknown key {key!r} (PAIR or PAIR/DTYPE, pairs {', '.join(PAIRS)})")
+        values[key] = int(value)
+    out = {}
+    for pair in pairs:
+        for dtype in dtypes:
+            value = values.get(f"{pair}/{dtype}", values.get(pair, values.get("")))
+            if value is None:
+                raise ValueError(f"{flag} {text!r}: no value for the {pair} pair in {dtype}")
+            out[(pair, dtype)] = value
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -161,11 +165,14 @@ def parse_args(argv=None):
                         f"Default: {os.path.relpath(DEFAULT_PROMPTS, REPO)}. Prompts are taken evenly spaced; "
                         "pairs without a tokenizer read them as UTF-8 bytes (id = byte + 3)")
     p.add_argument("--num-prompts", default="16",
-                   help="prompts per run: one integer, or per pair, e.g. 'default=16,synthetic=8'")
+                   help="prompts per run: one integer, or per pair / pair and dtype, the most specific winning, "
+                        "e.g. '16,synthetic/bfloat16=4'")
     p.add_argument("--max-tokens", default="64",
-                   help="new tokens per prompt (exactly this many for every method): one integer or per pair")
-    p.add_argument("--max-prompt-tokens", type=int, default=128,
-                   help="truncate longer prompts to this many tokens (and to what the context leaves)")
+                   help="new tokens per prompt (exactly this many for every method): one integer, or per pair / "
+                        "pair and dtype like --num-prompts, e.g. '64,synthetic=32'")
+    p.add_argument("--max-prompt-tokens", default="128",
+                   help="truncate longer prompts to this many tokens (and to what the context leaves): one integer, "
+                        "or per pair / pair and dtype like --num-prompts")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for every method (default: torch's choice)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of every method at every batch size")
@@ -189,21 +196,23 @@ def parse_args(argv=None):
         if bad or not args.pairs:
             raise ValueError(f"--pairs: unknown pair(s) {bad}; choose from {', '.join(PAIRS)}")
         args.dtypes = [x.strip() for x in args.dtypes.split(",") if x.strip()]
-        bad = [x for x in args.dtypes if x not in ("float32", "bfloat16", "float16", "float64")]
+        bad = [x for x in args.dtypes if x not in DTYPES]
         if bad or not args.dtypes:
-            raise ValueError(f"--dtypes: unknown dtype(s) {bad}; choose from float32, bfloat16, float16, float64")
+            raise ValueError(f"--dtypes: unknown dtype(s) {bad}; choose from {', '.join(DTYPES)}")
         if not all(b.strip().isdigit() and int(b) >= 1 for b in args.batch_sizes.split(",") if b.strip()):
             raise ValueError(f"--batch-sizes {args.batch_sizes!r}: integers >= 1")
         args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
         args.variants = [parse_variant(m) for m in args.methods.split(",") if m.strip()]
         if len({v.label for v in args.variants}) != len(args.variants):
             raise ValueError(f"--methods {args.methods!r}: a method is listed twice")
-        args.num_prompts = per_pair(str(args.num_prompts), "--num-prompts", args.pairs)
-        args.max_tokens = per_pair(str(args.max_tokens), "--max-tokens", args.pairs)
+        args.num_prompts = per_config(str(args.num_prompts), "--num-prompts", args.pairs, args.dtypes)
+        args.max_tokens = per_config(str(args.max_tokens), "--max-tokens", args.pairs, args.dtypes)
+        args.max_prompt_tokens = per_config(str(args.max_prompt_tokens), "--max-prompt-tokens", args.pairs,
+                                            args.dtypes)
         if args.prompts is not None and not os.path.isfile(args.prompts):
             raise ValueError(f"--prompts {args.prompts}: no such file")
-        if args.repeats < 1 or args.max_prompt_tokens < 1 or (args.threads is not None and args.threads < 1):
-            raise ValueError("--repeats, --max-prompt-tokens and --threads must be >= 1")
+        if args.repeats < 1 or (args.threads is not None and args.threads < 1):
+            raise ValueError("--repeats and --threads must be >= 1")
     except ValueError as err:
         p.error(str(err))
     if not args.batch_sizes or not args.variants:
@@ -299,7 +308,7 @@ def build_prompts(pair: Pair, num_prompts: int, max_tokens: int, args) -> tuple[
     if room < 1:
         raise ValueError(f"--max-tokens {max_tokens} leaves no room for a prompt in the {pair.name} pair's "
                          f"context of {pair.max_context}")
-    limit = min(args.max_prompt_tokens, room)
+    limit = min(args.max_prompt_tokens[pair.name, pair.dtype], room)
     ids = [x[:limit] for x in ids]
     lengths = sorted(len(x) for x in ids)
     shown = os.path.relpath(path, REPO) if path.startswith(REPO) else path
@@ -484,7 +493,7 @@ def bench_pair(pair: Pair, prompts, max_tokens: int, args, progress) -> tuple[li
         if time.perf_counter() - t0 > 1:
             progress(f"{pair.name}/{pair.dtype}: built {v.label} in {time.perf_counter() - t0:.1f}s")
     rows = []
-    for B in args.batch_sizes:
+    for B in (b for b in args.batch_sizes if b <= len(prompts)):  # a larger batch would never fill
         active = [v for v in args.variants if v.runs_at(B)]
         warmup = {}
         for v in active:  # untimed: allocations, auto k's calibration at this B, compilation
@@ -499,6 +508,7 @@ def bench_pair(pair: Pair, prompts, max_tokens: int, args, progress) -> tuple[li
                 f"{v.label} {len(prompts) * max_tokens / runs[v.label][-1].seconds:.0f}" for v in active) + " tok/s")
         rows += summarise(pair, B, active, runs, warmup, reference, len(prompts) * max_tokens)
     info = {"pair": pair.name, "dtype": pair.dtype, **pair.info, "max_tokens": max_tokens,
+            "batch_sizes": [b for b in args.batch_sizes if b <= len(prompts)],
             "num_prompts": len(prompts), "reference_s": ref_s, "loadavg_before": list(load_before),
             "loadavg_after": list(os.getloadavg()), "dynamo_stats": dict(_dynamo_counters()["stats"])}
     return rows, info
@@ -562,7 +572,7 @@ def k_text(row) -> str:
     if row["engine"] == "hf":
         if row["base_method"] == "ar":
             return "–"
-        return "20, confidence stop" if row["k"] == "default" else f"{row['k']} constant"
+        return "transformers default" if row["k"] == "default" else f"{row['k']} constant"
     if row["k"] is None:
         return "–"
     if row["k"] == "auto" and row.get("mean_k") is not None:
@@ -697,11 +707,13 @@ def main(argv=None):
             progress(f"loading the {name} pair in {dtype}")
             torch._dynamo.reset()  # drop the previous configuration's compiled graphs
             pair = load_pair(name, dtype, args)
-            prompts, source = build_prompts(pair, args.num_prompts[name], args.max_tokens[name], args)
+            prompts, source = build_prompts(pair, args.num_prompts[name, dtype],
+                                           args.max_tokens[name, dtype], args)
             progress(f"{name}/{dtype}: {source}")
-            if max(args.batch_sizes) > len(prompts):
-                progress(f"warning: batch size {max(args.batch_sizes)} > {len(prompts)} prompts: it never fills")
-            pair_rows, info = bench_pair(pair, prompts, args.max_tokens[name], args, progress)
+            skipped = [b for b in args.batch_sizes if b > len(prompts)]
+            if skipped:
+                progress(f"{name}/{dtype}: skipping batch size(s) {skipped}: more than the {len(prompts)} prompts")
+            pair_rows, info = bench_pair(pair, prompts, args.max_tokens[name, dtype], args, progress)
             info["prompts"] = source
             rows += pair_rows
             meta["configs"].append(info)

@@ -44,6 +44,24 @@ def _accumulation_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+class Workspace:
+    """Reusable buffers for the torch reference's large temporaries (the gathered K/V and the scores).
+    On the CPU, allocating and freeing megabyte temporaries in every layer costs more in page faults than
+    the arithmetic (the allocator hands them back to the OS), so a model keeps one Workspace across its
+    forwards. Buffers grow to the largest request and are never shrunk; each name has its own allocation
+    (so each view starts at an aligned address). Not for concurrent use."""
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape, dtype, device) -> torch.Tensor:
+        n = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != torch.device(device):
+            buf = self.buffers[name] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n].view(shape)
+
+
 class ChunkPlan(NamedTuple):
     """Which cache columns the torch reference reads, and what each padded query row may see; the same for
     every layer of a forward (`chunk_plan`)."""
@@ -52,9 +70,11 @@ class ChunkPlan(NamedTuple):
     hidden: torch.Tensor  # [B, 1, NC, Rp, chunk] bool, query row g * T + t may NOT see the key (padding rows: all)
     chunks: int  # NC
     rows: int  # R = G * T real query rows per (row, KV head)
+    workspace: Workspace | None = None  # None: fresh temporaries
 
 
-def chunk_plan(mask, first, group: int, kv_heads: int, capacity: int, chunk: int = CHUNK) -> ChunkPlan:
+def chunk_plan(mask, first, group: int, kv_heads: int, capacity: int, chunk: int = CHUNK,
+               workspace: Workspace | None = None) -> ChunkPlan:
     """The reference's gather index and visibility for mask [B, T, W], first [B], `group` query heads per
     KV head and caches [B, kv_heads, capacity, D]."""
     B, T, W = mask.shape
@@ -71,7 +91,7 @@ def chunk_plan(mask, first, group: int, kv_heads: int, capacity: int, chunk: int
         B, 1, NC, group, T, chunk).reshape(B, 1, NC, R, chunk)  # row g * T + t sees what query t sees
     heads = torch.arange(B * kv_heads, device=mask.device).view(B, kv_heads, 1)  # [B, H_kv, 1] = b * H_kv + h
     rows_index = (heads * capacity + index[:, None, :]).reshape(-1)  # [B * H_kv * NCW]
-    return ChunkPlan(rows_index, ~seen, NC, R)
+    return ChunkPlan(rows_index, ~seen, NC, R, workspace)
 
 
 def bi_attention_reference(q, k_cache, v_cache, mask, first, plan: ChunkPlan | None = None, chunk: int = CHUNK):
@@ -83,26 +103,42 @@ def bi_attention_reference(q, k_cache, v_cache, mask, first, plan: ChunkPlan | N
         plan = chunk_plan(mask, first, G, Hkv, C, chunk)
     NC, R = plan.chunks, plan.rows
     Rp = plan.hidden.shape[3]
+    Bt = B * Hkv * NC  # one [chunk]-key matmul per (row, KV head, chunk)
     acc = _accumulation_dtype(q.dtype)
-    keys = k_cache.reshape(B * Hkv * C, D).index_select(0, plan.rows_index).to(acc)  # [B * H_kv * NCW, D]
-    values = v_cache.reshape(B * Hkv * C, D).index_select(0, plan.rows_index).to(acc)  # [B * H_kv * NCW, D]
-    keys_t = keys.view(-1, chunk, D).transpose(1, 2).contiguous()  # [B * H_kv * NC, D, chunk]
+    ws = plan.workspace
 
-    scaled = q.to(acc) * (1.0 / math.sqrt(D))  # [B, H, T, D]
-    rows = torch.zeros(B, Hkv, NC, Rp, D, dtype=acc, device=q.device)  # query rows, padded, once per chunk
-    rows[:, :, :, :R] = scaled.reshape(B, Hkv, 1, R, D)  # row g * T + t is query head h = kv * G + g, query t
-    scores = torch.bmm(rows.view(-1, Rp, D), keys_t)  # [B * H_kv * NC, Rp, chunk]
-    scores = scores.view(B, Hkv, NC, Rp, chunk).masked_fill_(plan.hidden, float("-inf"))
-    top = scores.amax(dim=(2, 4))  # [B, H_kv, Rp] exact in any order
-    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)  # rows with no visible key
-    probs = torch.exp(scores - top[:, :, None, :, None])  # [B, H_kv, NC, Rp, chunk]
+    def buffer(name, shape, dtype):
+        return ws.get(name, shape, dtype, q.device) if ws is not None else torch.empty(shape, dtype=dtype, device=q.device)
+
+    Bm = max(Bt, 2)  # a batch of one matrix with a transposed operand takes another MKL path (measured): pad
+    picked_k = buffer("picked_k", (Bm * chunk, D), k_cache.dtype)  # the rows' keys from their first key on
+    torch.index_select(k_cache.reshape(B * Hkv * C, D), 0, plan.rows_index, out=picked_k[: Bt * chunk])
+    picked_v = buffer("picked_v", (Bt * chunk, D), v_cache.dtype)
+    torch.index_select(v_cache.reshape(B * Hkv * C, D), 0, plan.rows_index, out=picked_v)
+    keys, values = picked_k.view(Bm, chunk, D), picked_v.view(Bt, chunk, D)
+    if keys.dtype != acc:
+        keys = buffer("keys", (Bm, chunk, D), acc).copy_(keys)  # [Bm, chunk, D]
+        values = buffer("values", (Bt, chunk, D), acc).copy_(values)  # [Bt, chunk, D]
+    rows = buffer("rows", (Bm, Rp, D), acc)  # query rows, padded, once per chunk
+    if Bm > Bt:
+        keys[Bt:] = 0
+        rows[Bt:] = 0
+    if Rp > R:
+        rows[:, R:] = 0
+    rows[:Bt].view(B, Hkv, NC, Rp, D)[:, :, :, :R] = (q.to(acc) * (1.0 / math.sqrt(D))).reshape(B, Hkv, 1, R, D)
+    scores = buffer("scores", (Bm, Rp, chunk), acc)  # row g * T + t of (row b, KV head h) is head h * G + g, query t
+    torch.bmm(rows, keys.transpose(1, 2), out=scores)  # [Bm, Rp, chunk]: K^T as a view, never copied
+    scores = scores[:Bt].view(B, Hkv, NC, Rp, chunk).masked_fill_(plan.hidden, float("-inf"))
+    top = scores.amax(dim=(2, 4), keepdim=True)  # [B, H_kv, 1, Rp, 1] exact in any order
+    top.clamp_(min=torch.finfo(acc).min)  # finite for rows with no visible key (their scores stay -inf)
+    probs = scores.sub_(top).exp_()  # [B, H_kv, NC, Rp, chunk], in place of the scores; 0 where hidden
     sums = probs.sum(dim=-1)  # [B, H_kv, NC, Rp], one fixed-length sum per chunk
-    parts = torch.bmm(probs.view(-1, Rp, chunk), values.view(-1, chunk, D)).view(B, Hkv, NC, Rp, D)
-    total, out = sums[:, :, 0], parts[:, :, 0]  # [B, H_kv, Rp], [B, H_kv, Rp, D]
-    for c in range(1, NC):  # chunks in order: a fixed summation order for every row
-        total = total + sums[:, :, c]
-        out = out + parts[:, :, c]
-    out = torch.where(total[..., None] > 0, out / total[..., None], torch.zeros_like(out))
+    parts = buffer("parts", (Bt, Rp, D), acc)
+    torch.bmm(probs.view(Bt, Rp, chunk), values, out=parts)  # [Bt, Rp, D]
+    # chunks added in order (cumsum is a sequential scan: one fixed order for every row)
+    total = sums.cumsum(dim=2)[:, :, -1]  # [B, H_kv, Rp]
+    out = parts.view(B, Hkv, NC, Rp, D).cumsum(dim=2)[:, :, -1]  # [B, H_kv, Rp, D], fresh: not a buffer
+    out = out / total[..., None].clamp_min(torch.finfo(acc).tiny)  # rows with no visible key: 0 / tiny = 0
     return out[:, :, :R].reshape(B, H, T, D).to(q.dtype)
 
 

@@ -24,6 +24,7 @@ can be summed in a different order and round differently.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -52,11 +53,13 @@ def padded_rows(M: int, multiple: int = ROW_MULTIPLE) -> int:
     return max(multiple, cdiv(M, multiple) * multiple)
 
 
+@functools.cache
 def onednn_available() -> bool:
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+@functools.cache
 def cpu_path(dtype: torch.dtype) -> str:
     """How the torch reference multiplies `dtype` on the CPU: "native", "onednn" or "padded" (see above)."""
     if dtype in NATIVE_DTYPES:
@@ -103,15 +106,10 @@ def bi_matmul_reference(x, weight, bias=None, packed=None):
 def bi_linear(x, weight, bias=None, packed=None, backend: str | None = None):
     """Validate and dispatch. x [..., K]; weight [N, K]; bias [N] or None -> [..., N] in x's dtype.
     `packed`: `pack_weight(weight)`, kept by the caller (only the CPU float32 path reads it)."""
-    check(x.dim() >= 1 and weight.dim() == 2, f"bi_linear: x must be [..., K] and weight [N, K], got "
-          f"{tuple(x.shape)} and {tuple(weight.shape)}")
-    N, K = weight.shape
-    check(x.shape[-1] == K, f"bi_linear: x has {x.shape[-1]} features, weight expects {K}")
-    check(x.dtype == weight.dtype, f"bi_linear: x dtype {x.dtype} != weight dtype {weight.dtype}")
-    check(x.device == weight.device, f"bi_linear: x on {x.device}, weight on {weight.device}")
-    check(bias is None or (bias.shape == (N,) and bias.dtype == x.dtype),
-          f"bi_linear: bias must be [{N}] of dtype {x.dtype}")
-    check(x.dtype.is_floating_point, f"bi_linear: x must be floating point, got {x.dtype}")
+    N, K = weight.shape if weight.dim() == 2 else (-1, -1)
+    if not (x.dim() >= 1 and x.shape[-1] == K and x.dtype == weight.dtype and x.device == weight.device
+            and x.dtype.is_floating_point and (bias is None or (bias.shape == (N,) and bias.dtype == x.dtype))):
+        _explain(x, weight, bias)  # raises, naming what is wrong (messages built only on failure: hot path)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)  # [M, K]
     if choose_backend(x, backend) == "triton":
@@ -119,6 +117,17 @@ def bi_linear(x, weight, bias=None, packed=None, backend: str | None = None):
     else:
         y = bi_matmul_reference(x2, weight, bias, packed)
     return y.view(*lead, N)
+
+
+def _explain(x, weight, bias) -> None:
+    check(weight.dim() == 2, f"bi_linear: weight must be [N, K], got {tuple(weight.shape)}")
+    N, K = weight.shape
+    check(x.dim() >= 1 and x.shape[-1] == K, f"bi_linear: x must be [..., {K}] (the weight's in features), got "
+          f"{tuple(x.shape)}")
+    check(x.dtype == weight.dtype, f"bi_linear: x dtype {x.dtype} != weight dtype {weight.dtype}")
+    check(x.device == weight.device, f"bi_linear: x on {x.device}, weight on {weight.device}")
+    check(x.dtype.is_floating_point, f"bi_linear: x must be floating point, got {x.dtype}")
+    check(False, f"bi_linear: bias must be [{N}] of dtype {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
 
 
 @lazy_jit

@@ -3,11 +3,11 @@ the batch, and their replacements when a model's `batch_invariant` attribute is 
 
 A token's logits must be the same bits whether it is fed alone (AR, T = 1, B = 1), among k + 1 tokens of
 a verify pass, in a batch of 8, at any row, after any left padding. Per op, on this project's CPU
-(measured by `bench/batch_invariant.py --probe`, asserted by `tests/test_batch_invariant.py`):
+(measured by `python bench/batch_invariant.py probe`, asserted by `tests/test_batch_invariant.py`):
 
 | op | ordinary path | batch-invariant mode |
 |---|---|---|
-| linear (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`, `lm_head`) | MKL picks a kernel by M = B*T: float32/float64 rows change with M | `kernels.bi_matmul.bi_linear`: rows padded to a multiple of 4, aligned (CPU); fixed tiles, no split-K (Triton) |
+| linear (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`, `lm_head`) | MKL picks a kernel by M = B*T: float32/float64 rows change with M | `kernels.bi_matmul.bi_linear`: CPU float32 oneDNN on a packed weight (kept per layer, `packed_weight`), bfloat16 `F.linear`, float64 MKL on rows padded to a multiple of 4; Triton: fixed tiles, no split-K |
 | attention | SDPA's blocks start at column 0 and depend on T: not invariant | `kernels.bi_attention.bi_attention`: chunks from each row's first key |
 | SiLU | float32/float64: the vectorised and the scalar tail loop differ in the last bit, and where the tail falls depends on the tensor's size and thread split | `x / (1 + exp(-x))` (exp, +, / give the same bits wherever the element sits); bfloat16's `F.silu` is invariant (all 65536 inputs checked) and kept |
 | RMSNorm, q/k norm | one row at a time, fixed order: invariant | unchanged |
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kernels.bi_attention import bi_attention, chunk_plan, first_keys
+from specdec.kernels.bi_attention import Workspace, bi_attention, chunk_plan, first_keys
 from specdec.kernels.bi_matmul import bi_linear, pack_weight
 from specdec.kernels.dispatch import choose_backend
 
@@ -39,10 +39,11 @@ class RowKeys(NamedTuple):
     mask: torch.Tensor  # [B, T, W] bool, True = may attend
     first: torch.Tensor  # [B] int64, each row's first key column
     plans: dict  # (group, H_kv, C) -> the torch path's ChunkPlan, built by the first layer that needs it
+    workspace: Workspace | None  # the model's reusable buffers for the torch path
 
 
-def row_keys(mask) -> RowKeys:
-    return RowKeys(mask, first_keys(mask), {})
+def row_keys(mask, workspace: Workspace | None = None) -> RowKeys:
+    return RowKeys(mask, first_keys(mask), {}, workspace)
 
 
 def packed_weight(layer: nn.Linear):
@@ -89,7 +90,7 @@ def attention(q, k_cache, v_cache, keys: RowKeys, backend: str | None = None):
     if choose_backend(q, backend) == "torch":
         plan = keys.plans.get(shape)
         if plan is None:
-            plan = keys.plans[shape] = chunk_plan(keys.mask, keys.first, *shape)
+            plan = keys.plans[shape] = chunk_plan(keys.mask, keys.first, *shape, workspace=keys.workspace)
     return bi_attention(q, k_cache, v_cache, keys.mask, keys.first, plan=plan, backend=backend)
 
 

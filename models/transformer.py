@@ -210,6 +210,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.compiled_forward = None  # set by `compile_forward`
         self._batch_invariant = False
+        self._bi_workspace = None  # reusable buffers of batch-invariant attention (models/numerics.py)
 
     @property
     def batch_invariant(self) -> bool:
@@ -293,7 +294,9 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         cos, sin = self.rope(positions)
         if self.batch_invariant:
-            attn_bias = numerics.row_keys(mask)  # the mask and each row's first key, once for all layers
+            if self._bi_workspace is None:
+                self._bi_workspace = numerics.Workspace()
+            attn_bias = numerics.row_keys(mask, self._bi_workspace)  # the mask, each row's first key
         else:
             zero = torch.zeros((), dtype=self.dtype, device=input_ids.device)
             attn_bias = torch.where(mask, zero, float("-inf"))[:, None]  # [B, 1, T, W], once for all layers

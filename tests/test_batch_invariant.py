@@ -53,6 +53,12 @@ def test_linear_rows_do_not_depend_on_the_call(dtype):
         b = torch.randn(N, generator=g).to(dtype)
         X = torch.randn(60, K, generator=g).to(dtype)
         assert rows_alone_vs_batched(lambda x: bm.bi_linear(x, W, b, backend="torch"), X) == []
+        threads = torch.get_num_threads()
+        try:  # the libraries split work by thread count: check two threads too (the CLI's default here)
+            torch.set_num_threads(2)
+            assert rows_alone_vs_batched(lambda x: bm.bi_linear(x, W, b, backend="torch"), X, sizes=(1, 3, 48)) == []
+        finally:
+            torch.set_num_threads(threads)
         packed = bm.pack_weight(W)  # what the model keeps; the same bits as packing on the fly
         assert torch.equal(bm.bi_linear(X, W, b, packed=packed, backend="torch"), bm.bi_linear(X, W, b, backend="torch"))
         # a misaligned view of the input (float64 MKL results depend on alignment) and a 3-d input
@@ -153,6 +159,28 @@ def test_attention_query_does_not_depend_on_the_call(dtype):
         assert torch.allclose(o.double(), s.double(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_attention_one_kv_head_and_reused_buffers(dtype):
+    """One KV head at batch 1 with one chunk multiplies a batch of one matrix (padded to two: MKL takes another
+    path for one); a model's reusable buffers give the same bits as fresh ones, whatever ran before."""
+    kw = dict(H=2, Hkv=1, D=16, capacity=80)
+    alone, _ = _attention_case(dtype, 1, 1, [0], [20], [0], False, **kw)
+    batched, _ = _attention_case(dtype, 3, 6, [0, 1, 2], [15, 40, 2], [3, 0, 0], True, **kw)
+    assert torch.equal(alone[0, :, 0], batched[0, :, 5])
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, n, 24, generator=g).to(dtype) for h, n in ((6, 3), (2, 90), (2, 90)))
+    _, _, mask = step_plan_reference(torch.tensor([0, 4]), torch.tensor([70, 30]), torch.tensor([3, 3]), 3, True, 73)
+    workspace = ba.Workspace()
+    for shape in ((1, 6, 1, 24), (2, 6, 3, 24)):  # a smaller call first: the buffers are reused and grown
+        small = torch.randn(shape, generator=g).to(dtype)
+        ba.bi_attention(small, k[: shape[0]], v[: shape[0]], mask[: shape[0], : shape[2]],
+                        plan=ba.chunk_plan(mask[: shape[0], : shape[2]], ba.first_keys(mask[: shape[0], : shape[2]]),
+                                           3, 2, 90, workspace=workspace), backend="torch")
+    plan = ba.chunk_plan(mask, ba.first_keys(mask), 3, 2, 90, workspace=workspace)
+    assert torch.equal(ba.bi_attention(q, k, v, mask, plan=plan, backend="torch"),
+                       ba.bi_attention(q, k, v, mask, backend="torch"))
+
+
 def test_attention_padding_queries_and_validation():
     """A left-padding query of a prefill sees no key of its row: zeros, never NaN."""
     q = torch.randn(2, 2, 4, 8)
@@ -180,10 +208,11 @@ def _schedule_logits(model, seqs, prompt_lens, T, layout):
         else:
             ids[i, :n] = torch.tensor(s[:n])
     cache.set_prefill(prompt_lens, width)
-    out = [model.forward(ids, cache, num_new=prompt_lens, logits="last")]
+    out = [model.forward(ids.to(model.device), cache, num_new=prompt_lens, logits="last")]
     for j in range(0, rest, T):
-        out.append(model.forward(torch.tensor([s[n + j: n + j + T] for s, n in zip(seqs, prompt_lens)]), cache))
-    return torch.cat(out, dim=1)
+        step = torch.tensor([s[n + j: n + j + T] for s, n in zip(seqs, prompt_lens)])
+        out.append(model.forward(step.to(model.device), cache))
+    return torch.cat(out, dim=1).cpu()
 
 
 # (rows B, our row, new tokens per step T, layout); partners have other prompt lengths, so padding differs
@@ -197,16 +226,22 @@ def family_checkpoints(tmp_path_factory):
     return {family: make_checkpoint(family, root / family) for family in FAMILIES}
 
 
+# on a CUDA machine with TRITON_INTERPRET=0 the model test also runs on the GPU (Triton kernels, torch's CUDA
+# RMSNorm): the check this CPU-only project could not make
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and not INTERPRET else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_model_logits_are_bitwise_batch_invariant(family_checkpoints, family, dtype):
+def test_model_logits_are_bitwise_batch_invariant(family_checkpoints, family, dtype, device):
     """The same 26 tokens: alone with T = 1 (AR), alone with T = 6, in batches of 3 and 8 at rows 0/1/2/5/7,
     left-padded (different padding) and ragged, T = 1 and 6. Logits of all 7 positions equal bit for bit with
     the mode on; with it off at least one schedule differs."""
     rng = random.Random(0)
     ours = [rng.randrange(3, 131) for _ in range(26)]
     partners = [[rng.randrange(3, 131) for _ in range(6 + n)] for n in (5, 40, 12, 33, 8, 27, 17)]
-    model = load_model(family_checkpoints[family], dtype=dtype)
+    model = load_model(family_checkpoints[family], dtype=dtype, device=device)
     logits = {}
     for mode in (True, False):
         model.batch_invariant = mode
@@ -223,6 +258,26 @@ def test_model_logits_are_bitwise_batch_invariant(family_checkpoints, family, dt
     assert torch.allclose(on[0].float(), off[0].float(), atol=0.1 if dtype == "bfloat16" else 1e-4)
 
 
+def test_cli_flag_reaches_the_engine(monkeypatch):
+    import specdec
+    from specdec import run as cli
+
+    class Built(Exception):
+        pass
+
+    seen = {}
+
+    def fake_llm(*args, **kwargs):
+        seen.update(kwargs)
+        raise Built
+
+    monkeypatch.setattr(specdec, "LLM", fake_llm)
+    for argv, expected in ((["--batch-invariant"], True), ([], False)):
+        with pytest.raises(Built):
+            cli.run(cli.build_parser().parse_args(argv + ["--no-progress"]))
+        assert seen["batch_invariant"] is expected
+
+
 def test_mode_is_a_model_attribute_and_skips_the_compiled_forward(family_checkpoints):
     model = load_model(family_checkpoints["llama"])
     assert model.batch_invariant is False
@@ -235,6 +290,11 @@ def test_mode_is_a_model_attribute_and_skips_the_compiled_forward(family_checkpo
     model.forward(torch.tensor([[8]]), cache)
     with pytest.raises(ValueError, match="batch_invariant"):
         numerics.set_batch_invariant(object(), True)
+    fresh = load_model(family_checkpoints["llama"])
+    LLM(fresh, method="ar", batch_invariant=True)  # model objects are switched in place
+    assert fresh.batch_invariant
+    LLM(fresh, method="ar")  # the default leaves them as they are (an AR comparison engine sharing the target)
+    assert fresh.batch_invariant
 
 
 # ------------------------------------------------------------------------------------------ end to end
@@ -256,6 +316,24 @@ def test_greedy_speculative_equals_ar_in_bfloat16(tmp_path):
     assert mismatches[False, "ragged"], "bfloat16 without the mode already equals AR here: the test shows nothing"
     for method in ("eqspec", "ragged", "exspec"):
         assert mismatches[True, method] == [], f"{method}: requests {mismatches[True, method]} differ from AR"
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tmp_path):
+    """With the mode on, target and draft are both invariant, so a seeded sampled request (its own generator,
+    rejection sampling on p and q) gives the same tokens at batch 1 and batch 8, in bfloat16 (not so without)."""
+    target, draft = make_pair("qwen3", tmp_path)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 131) for _ in range(rng.randint(1, 40))] for _ in range(8)]
+    params = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=i, ignore_eos=True) for i in range(8)]
+    same = {}
+    for mode in (False, True):
+        llm = LLM(target, draft, method="ragged", num_speculative_tokens=3, batch_size=8, dtype="bfloat16",
+                  batch_invariant=mode, check_invariants=False)
+        together = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        alone = llm.generate(prompt_token_ids=prompts, sampling_params=params, batch_size=1)
+        same[mode] = [a.token_ids == b.token_ids for a, b in zip(together, alone)]
+    assert all(same[True])
+    assert not all(same[False]), "bfloat16 sampling without the mode is already batch-invariant here"
 
 
 # ----------------------------------------------------------------------------------- Triton (interpreter)

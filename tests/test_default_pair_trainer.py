@@ -135,3 +135,5 @@ def test_whole_run_on_a_tiny_corpus(tmp_path):
     assert f"**{results['heldout']['target_loss']:.4f}**" in doc and f"{results['pair_bytes'] / 2**20:.1f} MiB" in doc
     assert results["command"].startswith("python -m bench.default_pair --stdlib") and results["command"] in doc
     assert len(data.read_prompt_file(out / "prompts.txt")) == 3
+    assert main(["--report-only", "--results", str(out / "results.json"), "--doc", str(out / "again.md")]) == 0
+    assert (out / "again.md").read_text() == doc  # the doc can be rendered again from the saved results

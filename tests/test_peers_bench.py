@@ -73,7 +73,11 @@ def test_variant_labels():
     assert peers.parse_variant("eqspec:5+compile").compile
     assert peers.parse_variant("hf-assisted:default").k == "default"
     assert not peers.parse_variant("hf-assisted:5").runs_at(8)
-    assert peers.per_pair("default=16,synthetic=8", "--num-prompts", ["default", "synthetic"]) == {
-        "default": 16, "synthetic": 8}
-    with pytest.raises(ValueError, match="no value for pair"):
-        peers.per_pair("default=16", "--num-prompts", ["default", "synthetic"])
+    values = peers.per_config("16,synthetic=8,synthetic/bfloat16=4", "--num-prompts", ["default", "synthetic"],
+                              ["float32", "bfloat16"])
+    assert values == {("default", "float32"): 16, ("default", "bfloat16"): 16, ("synthetic", "float32"): 8,
+                      ("synthetic", "bfloat16"): 4}
+    with pytest.raises(ValueError, match="no value for the synthetic pair in float32"):
+        peers.per_config("default=16", "--num-prompts", ["default", "synthetic"], ["float32"])
+    with pytest.raises(ValueError, match="unknown key 'big'"):
+        peers.per_config("big=3", "--max-tokens", ["default"], ["float32"])

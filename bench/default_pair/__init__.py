@@ -10,13 +10,19 @@
 5. evaluate.py: held-out losses of the saved bfloat16 pair, teacher-forced agreement, and greedy speculative
    decoding simulated at batch 1 (acceptance at k = 5, tokens per target call) on the held-out prompts and,
    with --specbench, on SpecBench prompts.
-6. report.py: docs/default_pair.md from template.md, every number of the run; the JSON beside it.
+6. checkpoint.py saves both as ordinary HF directories (bfloat16 safetensors, config, tokenizer files);
+   report.py writes docs/default_pair.md from template.md with every number of the run, which is also kept as
+   results.json (`--report-only` renders the doc again from it).
+
+speed.py (`python -m bench.default_pair.speed`) measures the shipped pair in specdec's own runtime: forward
+times of target and draft at batch 1, AR vs a speculative method end to end (docs/benchmarks.md).
 
 Step and sequence counts are fitted to the --minutes-* budgets on the machine that runs it (the machine may be
 shared), unless given with --target-steps / --pool-seqs / --draft-steps: then a run is deterministic given
 --seed, up to floating-point nondeterminism of multi-threaded CPU kernels.
 
-The shipped pair (from the repository root; about 90 minutes on two CPU cores):
+The shipped pair (from the repository root, or `python bench/default_pair ...`; 73 minutes on two shared
+CPU cores: budgets of 55 + 8 + 12 minutes for target, pool and draft, plus tokenizer and evaluation):
 
     python -m bench.default_pair --specbench /path/to/spec_bench/question.jsonl
 

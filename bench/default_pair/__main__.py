@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--prompts-out", type=Path, default=REPO / "specdec/assets/prompts.txt",
         help="held-out prompts, one per line, newlines written as \\n (default: the shipped prompts)")
     add("--doc", type=Path, default=REPO / "docs/default_pair.md", help="recipe and results (markdown)")
-    add("--results", type=Path, default=REPO / "bench/results/default_pair.json", help="every number, as JSON")
+    add("--results", type=Path, default=REPO / "bench/default_pair/results.json",
+        help="every number of the run, as JSON (the shipped pair's run is kept there)")
+    add("--report-only", action="store_true", help="train nothing: write --doc again from the --results file")
 
     add = p.add_argument_group("data").add_argument
     add("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]), help="stdlib directory to read")
@@ -98,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.report_only:
+        if not args.results.is_file():
+            parser.error(f"--results {args.results}: file not found (run the trainer first)")
+        from .report import rewrite
+
+        rewrite(args.results, args.doc)
+        return 0
     if not args.stdlib.is_dir():
         parser.error(f"--stdlib {args.stdlib}: not a directory")
     if args.specbench is not None and not args.specbench.is_file():
@@ -107,9 +116,10 @@ def main(argv=None) -> int:
                      "<= --ctx")
     if not 0.0 <= args.distill_alpha <= 1.0:
         parser.error(f"--distill-alpha must be in [0, 1], got {args.distill_alpha}")
+    from .checkpoint import parse_arch
+
     for flag in ("target_arch", "draft_arch"):
         try:
-            from .checkpoint import parse_arch
             parse_arch(getattr(args, flag))
         except ValueError as err:
             parser.error(f"--{flag.replace('_', '-')}: {err}")

@@ -1,7 +1,9 @@
-"""docs/default_pair.md from `template.md` and the run's results (a JSON-able dict, also saved beside the doc)."""
+"""docs/default_pair.md from `template.md` and a run's results (the dict `pipeline.run` returns and saves as
+JSON, by default bench/default_pair/results.json)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from pathlib import Path
 from string import Template
@@ -42,7 +44,7 @@ def _spec_row(name: str, s: dict | None) -> str:
 
 
 def render(r: dict) -> str:
-    """The markdown text; `r` is what __main__ collects (see there)."""
+    """The markdown text for the results `r` of `pipeline.run`."""
     a, ev, spec, diag, times = r["args"], r["heldout"], r["spec"], r["greedy_agreement"], r["times"]
     tt, dt, pool = r["train_target"], r["train_draft"], r["pool"]
     values = {
@@ -67,6 +69,7 @@ def render(r: dict) -> str:
         "t_total": _minutes(times["total"]),
         "command": r["command"],
         "target_steps": tt["steps"], "draft_steps": dt["steps"], "pool_seqs": f"{pool['seqs']:,}",
+        "pool_seqs_flag": pool["seqs"],
         "seed": a["seed"], "seed1": a["seed"] + 1, "seed2": a["seed"] + 2, "seed3": a["seed"] + 3,
         "seed4": a["seed"] + 4,
         "python": r["env"]["python"], "torch": r["env"]["torch"], "transformers": r["env"]["transformers"],
@@ -104,3 +107,8 @@ def render(r: dict) -> str:
 def write(path: Path, results: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render(results), encoding="utf-8")
+
+
+def rewrite(results_path: Path, doc: Path) -> None:
+    """Render the doc again from a saved results file (after editing the template)."""
+    write(doc, json.loads(results_path.read_text(encoding="utf-8")))
