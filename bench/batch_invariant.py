@@ -116,10 +116,14 @@ def probe(args) -> dict:
             row["linear, oneDNN packed weight"] = _rows_alone_vs_batched(
                 lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""), X)
         row["bi_linear (the mode)"] = _rows_alone_vs_batched(lambda x: bm.bi_linear(x, W, b, backend="torch"), X)
-        Kt = torch.randn(1, 64, 64).to(dtype)
-        row["bmm [rows, 64] x [64, 64], rows padded to 4"] = _rows_alone_vs_batched(
-            lambda x: torch.bmm(torch.cat([x, x.new_zeros(bm.padded_rows(len(x)) - len(x), 64)])[None], Kt)[0, :len(x)],
-            torch.randn(200, 64).to(dtype))
+        keys = torch.randn(2, 64, 64).to(dtype)  # [batch, chunk, D]: what bi_attention multiplies, K^T as a view
+
+        def scores(x):
+            rows = torch.cat([x, x.new_zeros(bm.padded_rows(len(x)) - len(x), 64)])[None].expand(2, -1, -1)
+            return torch.bmm(rows.contiguous(), keys.transpose(1, 2))[0, :len(x)]
+
+        row["bmm rows x K^T view (batch 2), rows padded to 4"] = _rows_alone_vs_batched(
+            scores, torch.randn(200, 64).to(dtype))
         norm = RMSNorm(384, 1e-5).to(dtype)
         with torch.no_grad():
             norm.weight.copy_(1 + 0.1 * torch.randn(384))
@@ -128,8 +132,9 @@ def probe(args) -> dict:
         row["softmax over V (rows)"] = _rows_alone_vs_batched(lambda x: x.float().softmax(-1), logits)
         row["log_softmax over V (rows)"] = _rows_alone_vs_batched(lambda x: x.float().log_softmax(-1), logits)
         x = (torch.randn(1 << 20) * 4).to(dtype)
-        for op_name, op in (("silu", F.silu), ("sigmoid", torch.sigmoid), ("exp", torch.exp),
-                            ("cos", torch.cos), ("sin", torch.sin), ("x / (1 + exp(-x))", lambda t: t / (1 + torch.exp(-t)))):
+        ops = (("silu", F.silu), ("sigmoid", torch.sigmoid), ("exp", torch.exp), ("cos", torch.cos),
+               ("sin", torch.sin), ("x / (1 + exp(-x))", lambda t: t / (1 + torch.exp(-t))))
+        for op_name, op in ops:
             row[f"{op_name}: vector loop vs scalar tail"] = _elementwise_position(op, x)
         if dtype == torch.bfloat16:  # every bfloat16 value
             every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
@@ -235,7 +240,7 @@ def equivalence_table(info: dict) -> str:
         for mode in dict.fromkeys(r["batch_invariant"] for r in runs if r["dtype"] == dtype):
             cells = []
             for m in SPEC_METHODS:
-                r = next((r for r in runs if r["dtype"] == dtype and r["batch_invariant"] == mode and r["method"] == m), None)
+                r = next((r for r in runs if (r["dtype"], r["batch_invariant"], r["method"]) == (dtype, mode, m)), None)
                 cells.append("-" if r is None else f"{r['matches']}/{r['of']}")
             lines.append(f"| {dtype} | {'on' if mode else 'off'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -281,13 +286,15 @@ def cost(args) -> dict:
                         num_speculative_tokens=args.k if method != "ar" else "auto", dtype=dtype,
                         batch_invariant=mode)
             for key, llm in engines.items():  # warm-up (and oneDNN weight packing) outside the timing
-                llm.generate(prompt_token_ids=prompts[:2], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
+                llm.generate(prompt_token_ids=prompts[:2],
+                             sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
             times = {key: [] for key in engines}
             for rnd in range(args.rounds):
                 for method, batch in COST_CONFIGS:
                     n = args.cost_prompts_b1 if batch == 1 else len(prompts)
                     for mode in ((False, True) if rnd % 2 == 0 else (True, False)):
-                        outs = engines[mode, method, batch].generate(prompt_token_ids=prompts[:n], sampling_params=params)
+                        outs = engines[mode, method, batch].generate(prompt_token_ids=prompts[:n],
+                                                                     sampling_params=params)
                         times[mode, method, batch].append(outs.metrics.tokens_per_s)
                 log(f"[cost] {pair} {dtype} round {rnd + 1}/{args.rounds} done")
             for method, batch in COST_CONFIGS:
@@ -308,8 +315,9 @@ def cost_table(info: dict) -> str:
     lines = ["| pair | dtype | method @ batch | tokens/s off | tokens/s on | slowdown (off/on) | spread |",
              "|---|---|---|---:|---:|---:|---|"]
     for c in info["cells"]:
-        lines.append(f"| {c['pair']} | {c['dtype']} | {c['method']} @ {c['batch_size']} | {c['tokens_per_s_off']:.1f} | "
-                     f"{c['tokens_per_s_on']:.1f} | {c['slowdown']:.2f}x | {c['slowdown_min']:.2f}-{c['slowdown_max']:.2f} |")
+        lines.append(f"| {c['pair']} | {c['dtype']} | {c['method']} @ {c['batch_size']} | "
+                     f"{c['tokens_per_s_off']:.1f} | {c['tokens_per_s_on']:.1f} | {c['slowdown']:.2f}x | "
+                     f"{c['slowdown_min']:.2f}-{c['slowdown_max']:.2f} |")
     return "\n".join(lines)
 
 
@@ -355,7 +363,8 @@ def main(argv=None) -> int:
     result["seconds"] = time.perf_counter() - t0
     suffix = ""
     if args.what == "equivalence":  # slices and single-dtype runs get their own files (runs may go in parallel)
-        suffix = (f"-{args.num_prompts}" if args.num_prompts else "") + (f"-{args.dtypes[0]}" if len(args.dtypes) == 1 else "")
+        suffix = (f"-{args.num_prompts}" if args.num_prompts else "") + (
+            f"-{args.dtypes[0]}" if len(args.dtypes) == 1 else "")
     with open(os.path.join(args.out, f"{args.what}{suffix}.json"), "w") as f:
         json.dump(result, f, indent=1)
     header = f"`{command}`\n\n{result['machine']}; {result['seconds']:.0f} s"

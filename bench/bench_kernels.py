@@ -231,7 +231,8 @@ def test_bi_attention(benchmark, dtype, batch, T, context, impl):
                                      context + T)
     if impl == "invariant":
         first = bia.first_keys(mask)
-        plan = None if CUDA else bia.chunk_plan(mask, first, H // Hkv, Hkv, context + T)  # once per forward
+        plan = None if CUDA else bia.chunk_plan(mask, first, H // Hkv, Hkv, context + T,  # once per forward
+                                                workspace=bia.Workspace())  # the model's reusable buffers
         fn = lambda: bia.bi_attention(q, k, v, mask, first, plan=plan, backend=PATH)  # noqa: E731
     else:
         bias = torch.where(mask, torch.zeros((), dtype=dt, device=DEVICE), float("-inf"))[:, None]

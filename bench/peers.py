@@ -52,7 +52,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pairs import DEFAULT_PAIR_DIR, SyntheticPairSpec, build_synthetic_pair  # noqa: E402
-from throughput import evenly_spaced, git_revision  # noqa: E402
+from throughput import _HelpFormatter, evenly_spaced, git_revision  # noqa: E402
 
 from specdec import LLM, METHODS, SamplingParams  # noqa: E402
 from specdec.models import load_model, load_tokenizer  # noqa: E402
@@ -146,10 +146,10 @@ def parse_args(argv=None):
         description="specdec's methods against transformers' batched generate and assisted generation: same "
                     "prompts, exactly N new tokens each, greedy, interleaved and repeated. Writes peers.jsonl, "
                     "peers.md (printed) and peers-<pair>.png to --out.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     p.add_argument("--pairs", default="default,synthetic",
-                   help=f"comma-separated pairs from {', '.join(PAIRS)} (default: the embedded pair; synthetic: "
-                        f"bench/pairs.py's 113M/19M pair; tiny: the toy version)")
+                   help=f"comma-separated pairs from {', '.join(PAIRS)} ('default': the embedded pair; 'synthetic': "
+                        f"bench/pairs.py's 113M/19M pair; 'tiny': its toy version)")
     p.add_argument("--pair-dir", default=None,
                    help="cache folder for the synthetic/tiny pairs (built once, reused while the recipe matches); "
                         f"each goes to PAIR_DIR/<pair>. Default: {os.path.relpath(DEFAULT_PAIR_DIR, REPO)} and "
@@ -176,8 +176,11 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for every method (default: torch's choice)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of every method at every batch size")
-    p.add_argument("--out", default=DEFAULT_OUT, help="output folder")
+    p.add_argument("--out", default=None, help=f"output folder (default: {os.path.relpath(DEFAULT_OUT, REPO)})")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--replot", default=None, metavar="JSONL",
+                   help="run nothing: re-render peers.md and the plots of an earlier run from its peers.jsonl "
+                        "(into --out if given, else next to the file)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) +
                         " (explicit flags still win)")
@@ -186,6 +189,10 @@ def parse_args(argv=None):
         if a.startswith("--"):
             given.add(a[2:].split("=")[0].replace("-", "_"))
     args = p.parse_args(argv)
+    if args.replot:
+        args.out = args.out or os.path.dirname(os.path.abspath(args.replot))
+        return args
+    args.out = args.out or DEFAULT_OUT
     if args.quick:
         for key, value in QUICK.items():
             if key not in given:
@@ -484,6 +491,7 @@ def hf_reference(pair: Pair, prompts, max_tokens: int) -> tuple[list[list[int]],
 def bench_pair(pair: Pair, prompts, max_tokens: int, args, progress) -> tuple[list[dict], dict]:
     """Warm up and time every variant at every batch size; returns the summary rows and this config's info."""
     load_before = os.getloadavg()
+    dynamo_before = _dynamo_stats(args.variants)
     reference, ref_s = hf_reference(pair, prompts, max_tokens)
     progress(f"{pair.name}/{pair.dtype}: transformers' batch-1 reference in {ref_s:.1f}s")
     runners = {}
@@ -510,14 +518,24 @@ def bench_pair(pair: Pair, prompts, max_tokens: int, args, progress) -> tuple[li
     info = {"pair": pair.name, "dtype": pair.dtype, **pair.info, "max_tokens": max_tokens,
             "batch_sizes": [b for b in args.batch_sizes if b <= len(prompts)],
             "num_prompts": len(prompts), "reference_s": ref_s, "loadavg_before": list(load_before),
-            "loadavg_after": list(os.getloadavg()), "dynamo_stats": dict(_dynamo_counters()["stats"])}
+            "loadavg_after": list(os.getloadavg()), "dynamo_stats": _dynamo_delta(dynamo_before, _dynamo_stats(args.variants))}
     return rows, info
 
 
-def _dynamo_counters():
+def _dynamo_stats(variants) -> dict | None:
+    """torch.compile's counters (graphs built, ...), where a variant compiles (importing dynamo costs seconds)."""
+    if not any(v.compile for v in variants):
+        return None
     from torch._dynamo.utils import counters
 
-    return counters
+    return dict(counters["stats"])
+
+
+def _dynamo_delta(before: dict | None, after: dict | None) -> dict | None:
+    """This configuration's share of dynamo's process-wide counters (e.g. unique_graphs compiled here)."""
+    if after is None:
+        return None
+    return {k: v - (before or {}).get(k, 0) for k, v in after.items()}
 
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -677,16 +695,37 @@ def plot(rows, meta, out_dir) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- main
+def write_report(rows, meta, args) -> str:
+    """peers.md (and the plots) into args.out; returns the markdown."""
+    md = render(rows, meta)
+    pngs = [] if args.no_plots else plot(rows, meta, args.out)
+    md += "".join(f"\n![{os.path.basename(p)}]({os.path.basename(p)})\n" for p in pngs)
+    with open(os.path.join(args.out, "peers.md"), "w") as f:
+        f.write(md)
+    return md
+
+
+def replot(args) -> None:
+    with open(args.replot) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    meta = next(r for r in records if r.get("type") == "meta")
+    os.makedirs(args.out, exist_ok=True)
+    print(write_report([r for r in records if r.get("type") == "row"], meta, args))
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.replot:
+        return replot(args)
     require_transformers()
     import transformers
 
     transformers.logging.set_verbosity_error()
     if args.threads:
         torch.set_num_threads(args.threads)
-    # compiled variants each compile their own model copies: room for all their graphs (4 per model)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    compiling = any(v.compile for v in args.variants)
+    if compiling:  # compiled variants each compile their own model copies: room for all their graphs (4 per model)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
 
@@ -705,7 +744,8 @@ def main(argv=None):
     for name in args.pairs:
         for dtype in args.dtypes:
             progress(f"loading the {name} pair in {dtype}")
-            torch._dynamo.reset()  # drop the previous configuration's compiled graphs
+            if compiling:
+                torch._dynamo.reset()  # drop the previous configuration's compiled graphs
             pair = load_pair(name, dtype, args)
             prompts, source = build_prompts(pair, args.num_prompts[name, dtype],
                                            args.max_tokens[name, dtype], args)
@@ -724,13 +764,9 @@ def main(argv=None):
         f.write(json.dumps(meta) + "\n")
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    md = render(rows, meta)
-    pngs = [] if args.no_plots else plot(rows, meta, args.out)
-    md += "".join(f"\n![{os.path.basename(p)}]({os.path.basename(p)})\n" for p in pngs)
-    with open(os.path.join(args.out, "peers.md"), "w") as f:
-        f.write(md)
-    print(md)
-    progress(f"wrote peers.jsonl, peers.md{' and PNGs' if pngs else ''} to {args.out} in {meta['total_time_s']:.0f}s")
+    print(write_report(rows, meta, args))
+    progress(f"wrote peers.jsonl, peers.md{'' if args.no_plots else ' and PNGs'} to {args.out} in "
+             f"{meta['total_time_s']:.0f}s")
 
 
 if __name__ == "__main__":

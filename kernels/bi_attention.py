@@ -14,9 +14,11 @@ at all (left padding in a prefill: it only sees its own column, left of the row'
   B, no split over keys. Invariant by construction (and bit-exact under the interpreter too).
 - torch reference (CPU; what runs on the CPU): the same chunks, two passes. Scores and chunk outputs are
   batched matmuls of fixed inner sizes (D and CHUNK) with the query rows padded to a multiple of 4
-  (`bi_matmul.padded_rows`, measured invariant: see that module); the row maximum is exact in any order;
-  `exp` is torch's vectorised one (the same per element wherever it sits); each chunk's sum has the fixed
-  length CHUNK; chunks are added in order by a Python loop. Computed in float32 (float64 for float64).
+  (`bi_matmul.padded_rows`) and K^T as a transposed view (a batch of one matrix padded to two): measured
+  invariant on this CPU, like bi_matmul's paths; the row maximum is exact in any order; `exp` is torch's
+  vectorised one (the same per element wherever it sits); each chunk's sum has the fixed length CHUNK;
+  chunks are added in order by `cumsum` (a sequential scan). Computed in float32 (float64 for float64),
+  with a model's reusable buffers (`Workspace`).
 """
 from __future__ import annotations
 
@@ -45,21 +47,30 @@ def _accumulation_dtype(dtype):
 
 
 class Workspace:
-    """Reusable buffers for the torch reference's large temporaries (the gathered K/V and the scores).
-    On the CPU, allocating and freeing megabyte temporaries in every layer costs more in page faults than
-    the arithmetic (the allocator hands them back to the OS), so a model keeps one Workspace across its
-    forwards. Buffers grow to the largest request and are never shrunk; each name has its own allocation
-    (so each view starts at an aligned address). Not for concurrent use."""
+    """Reusable buffers for the torch reference's temporaries (the gathered K/V, the scores, the padded query
+    rows). On the CPU, allocating and freeing megabyte temporaries in every layer costs more in page faults
+    than the arithmetic (the allocator hands them back to the OS), so a model keeps one Workspace across its
+    forwards. Buffers grow to the largest request and are never shrunk; each name has its own allocation (so
+    each view starts at an aligned address). Not for concurrent use."""
 
     def __init__(self):
         self.buffers: dict[str, torch.Tensor] = {}
+        self.views: dict[str, tuple] = {}  # name -> (request, view) of the last request
 
-    def get(self, name: str, shape, dtype, device) -> torch.Tensor:
+    def get(self, name: str, shape, dtype, device, layout=None) -> tuple[torch.Tensor, bool]:
+        """A `shape` view of buffer `name`, and whether the request (shape, dtype, device, `layout`: what the
+        caller keeps in it between calls, e.g. which rows stay zero) differs from the previous one."""
+        request = (tuple(shape), dtype, device, layout)
+        last = self.views.get(name)
+        if last is not None and last[0] == request:
+            return last[1], False
         n = math.prod(shape)
         buf = self.buffers.get(name)
         if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != torch.device(device):
             buf = self.buffers[name] = torch.empty(n, dtype=dtype, device=device)
-        return buf[:n].view(shape)
+        view = buf[:n].view(shape)
+        self.views[name] = (request, view)
+        return view, True
 
 
 class ChunkPlan(NamedTuple):
@@ -107,33 +118,36 @@ def bi_attention_reference(q, k_cache, v_cache, mask, first, plan: ChunkPlan | N
     acc = _accumulation_dtype(q.dtype)
     ws = plan.workspace
 
-    def buffer(name, shape, dtype):
-        return ws.get(name, shape, dtype, q.device) if ws is not None else torch.empty(shape, dtype=dtype, device=q.device)
+    def buffer(name, shape, dtype, layout=None):  # (view, new layout: padding not zeroed yet)
+        if ws is None:
+            return torch.zeros(shape, dtype=dtype, device=q.device), True
+        return ws.get(name, shape, dtype, q.device, layout)
 
     Bm = max(Bt, 2)  # a batch of one matrix with a transposed operand takes another MKL path (measured): pad
-    picked_k = buffer("picked_k", (Bm * chunk, D), k_cache.dtype)  # the rows' keys from their first key on
-    torch.index_select(k_cache.reshape(B * Hkv * C, D), 0, plan.rows_index, out=picked_k[: Bt * chunk])
-    picked_v = buffer("picked_v", (Bt * chunk, D), v_cache.dtype)
+    picked_k, new = buffer("picked_k", (Bm * chunk, D), k_cache.dtype, layout=Bt)  # rows' keys from their first
+    if new and Bm > Bt:
+        picked_k[Bt * chunk:] = 0
+    torch.index_select(k_cache.reshape(B * Hkv * C, D), 0, plan.rows_index,
+                       out=picked_k if Bm == Bt else picked_k[: Bt * chunk])
+    picked_v, _ = buffer("picked_v", (Bt * chunk, D), v_cache.dtype)
     torch.index_select(v_cache.reshape(B * Hkv * C, D), 0, plan.rows_index, out=picked_v)
     keys, values = picked_k.view(Bm, chunk, D), picked_v.view(Bt, chunk, D)
     if keys.dtype != acc:
-        keys = buffer("keys", (Bm, chunk, D), acc).copy_(keys)  # [Bm, chunk, D]
-        values = buffer("values", (Bt, chunk, D), acc).copy_(values)  # [Bt, chunk, D]
-    rows = buffer("rows", (Bm, Rp, D), acc)  # query rows, padded, once per chunk
-    if Bm > Bt:
-        keys[Bt:] = 0
-        rows[Bt:] = 0
-    if Rp > R:
-        rows[:, R:] = 0
-    rows[:Bt].view(B, Hkv, NC, Rp, D)[:, :, :, :R] = (q.to(acc) * (1.0 / math.sqrt(D))).reshape(B, Hkv, 1, R, D)
-    scores = buffer("scores", (Bm, Rp, chunk), acc)  # row g * T + t of (row b, KV head h) is head h * G + g, query t
+        keys = buffer("keys", (Bm, chunk, D), acc)[0].copy_(keys)  # [Bm, chunk, D]
+        values = buffer("values", (Bt, chunk, D), acc)[0].copy_(values)  # [Bt, chunk, D]
+    rows, new = buffer("rows", (Bm, Rp, D), acc, layout=(Bt, R))  # query rows, padded, once per chunk
+    if new:  # rows R.. and matrices Bt.. stay zero for as long as this layout is reused
+        rows.zero_()
+    scaled = (q.to(acc) * (1.0 / math.sqrt(D))).reshape(B, Hkv, 1, R, D)  # row g*T+t: query head kv*G+g, query t
+    rows[:Bt].view(B, Hkv, NC, Rp, D)[:, :, :, :R] = scaled
+    scores, _ = buffer("scores", (Bm, Rp, chunk), acc)
     torch.bmm(rows, keys.transpose(1, 2), out=scores)  # [Bm, Rp, chunk]: K^T as a view, never copied
     scores = scores[:Bt].view(B, Hkv, NC, Rp, chunk).masked_fill_(plan.hidden, float("-inf"))
     top = scores.amax(dim=(2, 4), keepdim=True)  # [B, H_kv, 1, Rp, 1] exact in any order
     top.clamp_(min=torch.finfo(acc).min)  # finite for rows with no visible key (their scores stay -inf)
     probs = scores.sub_(top).exp_()  # [B, H_kv, NC, Rp, chunk], in place of the scores; 0 where hidden
     sums = probs.sum(dim=-1)  # [B, H_kv, NC, Rp], one fixed-length sum per chunk
-    parts = buffer("parts", (Bt, Rp, D), acc)
+    parts, _ = buffer("parts", (Bt, Rp, D), acc)
     torch.bmm(probs.view(Bt, Rp, chunk), values, out=parts)  # [Bt, Rp, D]
     # chunks added in order (cumsum is a sequential scan: one fixed order for every row)
     total = sums.cumsum(dim=2)[:, :, -1]  # [B, H_kv, Rp]
@@ -148,6 +162,25 @@ def bi_attention(q, k_cache, v_cache, mask, first=None, plan: ChunkPlan | None =
     key column (default: `first_keys(mask)`); plan: the torch path's `chunk_plan(mask, first, H // H_kv, H_kv, C)`,
     shared by a forward's layers (computed here when None). Returns [B, H, T, D] in q's dtype; scale
     1/sqrt(D)."""
+    ok = (q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape and mask.dim() == 3
+          and k_cache.shape[0] == q.shape[0] and k_cache.shape[3] == q.shape[3] and k_cache.shape[1] > 0
+          and q.shape[1] % k_cache.shape[1] == 0 and q.dtype == k_cache.dtype == v_cache.dtype
+          and q.dtype.is_floating_point and mask.dtype == torch.bool and mask.shape[:2] == q.shape[:1] + q.shape[2:3]
+          and mask.shape[2] <= k_cache.shape[2] and (first is None or (first.shape == q.shape[:1]
+                                                                      and first.dtype == torch.int64)))
+    if not ok:
+        _explain(q, k_cache, v_cache, mask, first)  # raises, naming what is wrong (hot path: no messages built)
+    B, H, T, D = q.shape
+    if first is None:
+        first = first_keys(mask)
+    if B == 0 or T == 0 or mask.shape[2] == 0:
+        return q.new_zeros(q.shape)
+    if choose_backend(q, backend) == "triton":
+        return bi_attention_triton(q, k_cache, v_cache, mask, first)
+    return bi_attention_reference(q, k_cache, v_cache, mask, first, plan)
+
+
+def _explain(q, k_cache, v_cache, mask, first) -> None:
     check(q.dim() == 4 and k_cache.dim() == 4, "bi_attention: q must be [B, H, T, D] and k_cache [B, H_kv, C, D]")
     B, H, T, D = q.shape
     _, Hkv, C, _ = k_cache.shape
@@ -159,14 +192,7 @@ def bi_attention(q, k_cache, v_cache, mask, first=None, plan: ChunkPlan | None =
           f"bi_attention: q/k_cache/v_cache dtypes {q.dtype}/{k_cache.dtype}/{v_cache.dtype} must be one float dtype")
     check(mask.dtype == torch.bool and mask.dim() == 3 and mask.shape[:2] == (B, T) and mask.shape[2] <= C,
           f"bi_attention: mask must be bool [{B}, {T}, W <= {C}], got {mask.dtype} {tuple(mask.shape)}")
-    if first is None:
-        first = first_keys(mask)
-    check(first.shape == (B,) and first.dtype == torch.int64, "bi_attention: first must be [B] int64")
-    if B == 0 or T == 0 or mask.shape[2] == 0:
-        return q.new_zeros(q.shape)
-    if choose_backend(q, backend) == "triton":
-        return bi_attention_triton(q, k_cache, v_cache, mask, first)
-    return bi_attention_reference(q, k_cache, v_cache, mask, first, plan)
+    check(False, f"bi_attention: first must be [{B}] int64, got {tuple(first.shape)} {first.dtype}")
 
 
 @lazy_jit

@@ -110,13 +110,12 @@ def bi_linear(x, weight, bias=None, packed=None, backend: str | None = None):
     if not (x.dim() >= 1 and x.shape[-1] == K and x.dtype == weight.dtype and x.device == weight.device
             and x.dtype.is_floating_point and (bias is None or (bias.shape == (N,) and bias.dtype == x.dtype))):
         _explain(x, weight, bias)  # raises, naming what is wrong (messages built only on failure: hot path)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)  # [M, K]
+    x2 = x if x.dim() == 2 else x.reshape(-1, K)  # [M, K]
     if choose_backend(x, backend) == "triton":
         y = bi_matmul_triton(x2, weight, bias)
     else:
         y = bi_matmul_reference(x2, weight, bias, packed)
-    return y.view(*lead, N)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
 
 
 def _explain(x, weight, bias) -> None:

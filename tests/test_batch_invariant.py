@@ -28,8 +28,10 @@ from specdec.models import numerics
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 DTYPE_IDS = ("float32", "bfloat16", "float64")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_triton = pytest.mark.skipif(not (dispatch.triton_available() and INTERPRET),
-                                  reason="needs triton and TRITON_INTERPRET=1")
+GPU = torch.cuda.is_available() and not INTERPRET  # TRITON_INTERPRET=0 on a CUDA machine: the compiled kernels
+KERNEL_DEVICE = "cuda" if GPU else "cpu"
+needs_triton = pytest.mark.skipif(not (dispatch.triton_available() and (INTERPRET or GPU)),
+                                  reason="needs triton with TRITON_INTERPRET=1, or a CUDA device")
 
 
 def rows_alone_vs_batched(fn, X, sizes=(1, 2, 3, 4, 5, 8, 17, 48), shifts=(0, 1, 3), alone=24):
@@ -60,7 +62,8 @@ def test_linear_rows_do_not_depend_on_the_call(dtype):
         finally:
             torch.set_num_threads(threads)
         packed = bm.pack_weight(W)  # what the model keeps; the same bits as packing on the fly
-        assert torch.equal(bm.bi_linear(X, W, b, packed=packed, backend="torch"), bm.bi_linear(X, W, b, backend="torch"))
+        assert torch.equal(bm.bi_linear(X, W, b, packed=packed, backend="torch"),
+                           bm.bi_linear(X, W, b, backend="torch"))
         # a misaligned view of the input (float64 MKL results depend on alignment) and a 3-d input
         flat = torch.randn(8 * K + 16, generator=g).to(dtype)
         view = flat[3: 3 + 8 * K].view(2, 4, K)
@@ -118,6 +121,8 @@ def _attention_case(dtype, B, T, rows, lengths, starts, left_padded, capacity=14
     start, length = torch.tensor(starts), torch.tensor(lengths)
     width = max(s + n + T for s, n in zip(starts, lengths))
     _, _, mask = step_plan_reference(start, length, torch.full((B,), T), T, left_padded, width)
+    if backend == "triton":
+        q, k_cache, v_cache, mask = (t.to(KERNEL_DEVICE) for t in (q, k_cache, v_cache, mask))
     if chunk is None:
         out = ba.bi_attention(q, k_cache, v_cache, mask, backend=backend)
     elif backend == "triton":
@@ -127,7 +132,7 @@ def _attention_case(dtype, B, T, rows, lengths, starts, left_padded, capacity=14
     bias = torch.where(mask, torch.zeros((), dtype=dtype), float("-inf"))[:, None]
     sdpa = F.scaled_dot_product_attention(q, k_cache[:, :, :width], v_cache[:, :, :width], attn_mask=bias,
                                           enable_gqa=True)
-    return out, sdpa
+    return out.cpu(), sdpa.cpu()
 
 
 # (B, T, the row's length before the step, starts, left padded): query n + j of row 0 is the same token in all
@@ -179,6 +184,13 @@ def test_attention_one_kv_head_and_reused_buffers(dtype):
     plan = ba.chunk_plan(mask, ba.first_keys(mask), 3, 2, 90, workspace=workspace)
     assert torch.equal(ba.bi_attention(q, k, v, mask, plan=plan, backend="torch"),
                        ba.bi_attention(q, k, v, mask, backend="torch"))
+    # one KV head: 1 matrix (padded to 2), then 2 real ones in the same buffer shapes, then 1 again
+    q1, k1, v1 = (torch.randn(2, h, n, 24, generator=g).to(dtype) for h, n in ((2, 1), (1, 40), (1, 40)))
+    _, _, mask1 = step_plan_reference(torch.tensor([0, 0]), torch.tensor([30, 20]), torch.tensor([1, 1]), 1, False, 31)
+    for b in (1, 2, 1):
+        args = (q1[:b], k1[:b], v1[:b], mask1[:b])
+        plan = ba.chunk_plan(mask1[:b], ba.first_keys(mask1[:b]), 2, 1, 40, workspace=workspace)
+        assert torch.equal(ba.bi_attention(*args, plan=plan, backend="torch"), ba.bi_attention(*args, backend="torch"))
 
 
 def test_attention_padding_queries_and_validation():
@@ -307,11 +319,11 @@ def test_greedy_speculative_equals_ar_in_bfloat16(tmp_path):
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     mismatches = {}
     for mode in (False, True):
-        ar = LLM(target, method="ar", batch_size=1, dtype="bfloat16", batch_invariant=mode, check_invariants=False).generate(
-            prompt_token_ids=prompts, sampling_params=params)
+        common = dict(dtype="bfloat16", batch_invariant=mode, check_invariants=False)
+        ar = LLM(target, method="ar", batch_size=1, **common).generate(prompt_token_ids=prompts, sampling_params=params)
         for method in (("ragged",) if not mode else ("eqspec", "ragged", "exspec")):
-            outs = LLM(target, draft, method=method, num_speculative_tokens=5, batch_size=8, dtype="bfloat16",
-                       batch_invariant=mode, check_invariants=False).generate(prompt_token_ids=prompts, sampling_params=params)
+            outs = LLM(target, draft, method=method, num_speculative_tokens=5, batch_size=8, **common).generate(
+                prompt_token_ids=prompts, sampling_params=params)
             mismatches[mode, method] = [o.index for o, r in zip(outs, ar) if o.token_ids != r.token_ids]
     assert mismatches[False, "ragged"], "bfloat16 without the mode already equals AR here: the test shows nothing"
     for method in ("eqspec", "ragged", "exspec"):
@@ -341,21 +353,23 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tmp_path):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_bi_matmul_triton_matches_reference_and_rows_keep_their_bits(dtype):
     g = torch.Generator().manual_seed(1)
-    W = torch.randn(70, 40, generator=g).to(dtype)
-    b = torch.randn(70, generator=g).to(dtype)
-    X = torch.randn(75, 40, generator=g).to(dtype)
+    W, b, X = (t.to(KERNEL_DEVICE, dtype) for t in (torch.randn(70, 40, generator=g), torch.randn(70, generator=g),
+                                                    torch.randn(75, 40, generator=g)))
     y = bm.bi_linear(X, W, b, backend="triton")
     ref = F.linear(X.double(), W.double(), b.double())
-    assert torch.allclose(y.double(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=0.1 if dtype == torch.bfloat16 else 1e-4)
-    assert torch.equal(bm.bi_linear(X, W, None, backend="triton") + 0, bm.bi_matmul_triton(X, W, None))
+    rtol, atol = (1e-2, 0.1) if dtype == torch.bfloat16 else (1e-5, 1e-4)
+    assert torch.allclose(y.double(), ref, rtol=rtol, atol=atol)
+    assert torch.allclose(bm.bi_linear(X, W, backend="triton").double(), ref - b.double(), rtol=1e-2, atol=0.1)
     # the interpreter's tl.dot is numpy's matmul, whose result depends on the row's place inside a tile
     # (a GPU's MMA does not): here rows keep their bits when M, the other rows and the tile index change
     BLOCK_M = bm.TILES.get(dtype, bm.DEFAULT_TILES)[0]
     for M, shift in ((1, 0), (3, BLOCK_M), (40, 0), (5, 2 * BLOCK_M)):
         other = X.clone()
-        other[shift + M:] = torch.randn(len(X) - shift - M, 40, generator=g).to(dtype)
+        other[shift + M:] = torch.randn(len(X) - shift - M, 40, generator=g).to(KERNEL_DEVICE, dtype)
         got = bm.bi_linear(other[: shift + M], W, b, backend="triton")[shift:]
         assert torch.equal(got, y[shift: shift + M])
+    if GPU:  # on the GPU every row keeps its bits at any place in its tile too
+        assert rows_alone_vs_batched(lambda x: bm.bi_linear(x, W, b, backend="triton"), X) == []
 
 
 @needs_triton
@@ -394,8 +408,9 @@ def _compile_all_for_sm90():
     x, w, b = torch.zeros(5, 40), torch.zeros(24, 40), torch.zeros(24)
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         with contextlib.ExitStack() as patches:
+            xd, wd, bd = x.to(dtype), w.to(dtype), b.to(dtype)
             ptx = _compile_recorded(patches, bm, "_bi_matmul_kernel", lambda: (
-                bm.bi_matmul_triton(x.to(dtype), w.to(dtype), b.to(dtype)), bm.bi_matmul_triton(x.to(dtype), w.to(dtype))))
+                bm.bi_matmul_triton(xd, wd, bd), bm.bi_matmul_triton(xd, wd)))
             assert "mma" in ptx[0] or dtype == torch.float32  # tensor cores for bf16/fp64; fp32 stays IEEE (FMA)
         q, kc = torch.zeros(2, 6, 3, 24, dtype=dtype), torch.zeros(2, 2, 40, 24, dtype=dtype)
         mask, first = torch.zeros(2, 3, 33, dtype=torch.bool), torch.zeros(2, dtype=torch.int64)

@@ -106,6 +106,32 @@ def test_distill_loss_ignores_padding_and_is_smallest_for_the_teacher():
     assert loss(target, rows).item() < before  # with K = V the soft term is minimal at the teacher itself
 
 
+def test_pool_cache_round_trips_and_rejects_other_settings(tmp_path):
+    target = tiny_model(0)
+    windows = data.Windows(np.arange(600, dtype=np.int32) % 60 + 3, newline_id=2, ctx=64, seed=0)
+    pool = train.generate_pool(target, windows, seqs=3, minutes=1.0, batch=2, new_tokens=5, prefix_range=(4, 6),
+                               top_k=4, seed=0)
+    path = tmp_path / "pool.npz"
+    train.save_pool(pool, path, {"seqs": 3})
+    back = train.load_pool(path, {"seqs": 3})
+    for field in train.POOL_FIELDS:
+        assert np.array_equal(getattr(back, field), getattr(pool, field)), field
+    assert back.top_ids.dtype == np.int64 and back.seconds == pytest.approx(pool.seconds)
+    assert train.load_pool(path, {"seqs": 4}) is None
+
+
+def test_draft_init_from_target_copies_embedding_head_and_first_layers():
+    two_layers = TINY.replace("layers=1", "layers=2")
+    target, draft = tiny_model(0, arch=two_layers), tiny_model(1)
+    copied = checkpoint.init_from_target(draft, target)
+    assert copied == checkpoint.n_params(draft)
+    t_params = dict(target.named_parameters())
+    for name, param in draft.named_parameters():
+        assert torch.equal(param, t_params[name]), name
+    with pytest.raises(ValueError, match="hidden_size"):
+        checkpoint.init_from_target(tiny_model(1, arch="hidden=64,layers=1,heads=2,kv_heads=1,ffn=64"), target)
+
+
 def test_whole_run_on_a_tiny_corpus(tmp_path):
     stdlib = tmp_path / "lib"
     for i in range(12):
@@ -137,3 +163,27 @@ def test_whole_run_on_a_tiny_corpus(tmp_path):
     assert len(data.read_prompt_file(out / "prompts.txt")) == 3
     assert main(["--report-only", "--results", str(out / "results.json"), "--doc", str(out / "again.md")]) == 0
     assert (out / "again.md").read_text() == doc  # the doc can be rendered again from the saved results
+
+    # draft-only retrain against the saved target: the target's files stay as they are, the pool is cached
+    t_dir = out / "pair" / "target"
+    target_before = {p.name: p.read_bytes() for p in t_dir.iterdir()}
+    prompts_before = (out / "prompts.txt").read_text()
+    draft_only = argv[: argv.index("--target-arch")] + [
+        "--reuse-target", str(t_dir), "--target-results", str(out / "results.json"), "--pool-cache",
+        str(out / "pool.npz"), "--results", str(out / "draft.json"), "--doc", str(out / "draft.md"),
+        "--draft-init", "target", "--draft-arch", TINY, "--threads", "1", "--pool-seqs", "4", "--pool-batch", "2",
+        "--pool-new-tokens", "8", "--pool-prefix-max", "16", "--draft-steps", "2", "--batch-draft", "2",
+        "--warmup-draft", "1", "--eval-windows", "4", "--num-prompts", "3", "-k", "3", "--new-tokens", "8"]
+    for again in (False, True):
+        assert main(draft_only) == 0
+        second = json.loads((out / "draft.json").read_text())
+        assert second["pool"]["loaded_from_cache"] is again
+    assert {p.name: p.read_bytes() for p in t_dir.iterdir()} == target_before
+    assert (out / "prompts.txt").read_text() == prompts_before
+    assert [run["kind"] for run in second["runs"]] == ["full", "draft-only"]
+    assert second["train_target"] == results["train_target"] and second["spec"]["heldout"]["matches_greedy"] == 3
+    doc2 = (out / "draft.md").read_text()
+    assert results["command"] in doc2 and second["command"] in doc2 and "--draft-init target" in doc2
+    (out / "pair" / "target" / "model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(SystemExit, match="no run there saved"):
+        main(draft_only)

@@ -14,7 +14,7 @@ import peers  # noqa: E402
 def test_quick_run_outputs(tmp_path, capsys):
     pytest.importorskip("transformers")
     out = tmp_path / "out"
-    peers.main(["--quick", "--threads", "1", "--out", str(out), "--pair-dir", str(tmp_path / "pairs")])
+    peers.main(["--quick", "--threads", "1", "--out", str(out)])  # the tiny pair: built once, cached
     printed = capsys.readouterr().out
 
     lines = [json.loads(line) for line in (out / "peers.jsonl").read_text().splitlines()]
@@ -49,6 +49,10 @@ def test_quick_run_outputs(tmp_path, capsys):
     assert md.strip() in printed
     assert "| B | method |" in md and "exact vs HF@1" in md
     assert (out / "peers-tiny.png").stat().st_size > 0
+
+    again = tmp_path / "replot"  # --replot re-renders the same report from the JSONL alone
+    peers.main(["--replot", str(out / "peers.jsonl"), "--out", str(again), "--no-plots"])
+    assert (again / "peers.md").read_text() == md.split("\n![")[0]
 
 
 def test_missing_transformers_is_one_line(monkeypatch, capsys, tmp_path):

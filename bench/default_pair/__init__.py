@@ -26,6 +26,12 @@ CPU cores: budgets of 55 + 8 + 12 minutes for target, pool and draft, plus token
 
     python -m bench.default_pair --specbench /path/to/spec_bench/question.jsonl
 
+Draft-only retrain (keeps the saved target and its tokenizer, writes only draft/, the doc and the results, which
+then list both runs; the target's record is read from --target-results and checked by sha256):
+
+    python -m bench.default_pair --reuse-target specdec/assets/default_pair/target --draft-arch ... \\
+        [--draft-init target] [--pool-cache /tmp/pool.npz] --specbench /path/to/spec_bench/question.jsonl
+
 Smoke test (about a minute, writes only under /tmp):
 
     python -m bench.default_pair --out /tmp/dp/pair --prompts-out /tmp/dp/prompts.txt --doc /tmp/dp/doc.md \\

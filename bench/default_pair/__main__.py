@@ -45,6 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="every number of the run, as JSON (the shipped pair's run is kept there)")
     add("--report-only", action="store_true", help="train nothing: write --doc again from the --results file")
 
+    add = p.add_argument_group("draft-only retrain (keep a trained target)").add_argument
+    add("--reuse-target", type=Path, metavar="DIR",
+        help="train only the draft: load the saved target and its tokenizer from DIR (e.g. "
+             "specdec/assets/default_pair/target) instead of training them; DIR is not written. The prompts file "
+             "is left as it is. The target's numbers in --doc come from --target-results")
+    add("--target-results", type=Path, default=REPO / "bench/default_pair/results.json",
+        help="with --reuse-target: the results file of the run that trained that target (its sha256 is checked)")
+    add("--pool-cache", type=Path, metavar="FILE",
+        help="with --reuse-target: load the greedy pool from FILE (.npz) when it was made with the same target "
+             "and pool settings, else generate it and save it there (pilots on one pool)")
+
     add = p.add_argument_group("data").add_argument
     add("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]), help="stdlib directory to read")
     add("--holdout-every", type=positive(int), default=20, help="hold out files whose sorted index divides by this")
@@ -78,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batch-draft", type=positive(int), default=16, help="pool sequences per step")
     add("--lr-draft", type=positive(float), default=3e-3, help="peak learning rate")
     add("--warmup-draft", type=positive(int), default=30, help="linear warmup steps")
+    add("--draft-init", choices=("random", "target"), default="random",
+        help="random: transformers' init (seed + 1); target: copy the target's embedding, final norm, LM head and "
+             "first layers (--draft-arch must then have the target's hidden, heads, kv_heads and ffn)")
     add("--distill-alpha", type=float, default=0.5,
         help="weight of the soft (top-k distribution) term; the rest is cross-entropy on the target's argmax")
 
@@ -114,6 +128,14 @@ def main(argv=None) -> int:
     if not 1 <= args.pool_prefix_min <= args.pool_prefix_max or args.pool_prefix_max + args.pool_new_tokens > args.ctx:
         parser.error("need 1 <= --pool-prefix-min <= --pool-prefix-max and --pool-prefix-max + --pool-new-tokens "
                      "<= --ctx")
+    if args.reuse_target is not None:
+        for name in ("config.json", "model.safetensors", "tokenizer.model"):
+            if not (args.reuse_target / name).is_file():
+                parser.error(f"--reuse-target {args.reuse_target}: no {name} (not a saved target directory)")
+        if not args.target_results.is_file():
+            parser.error(f"--target-results {args.target_results}: file not found (the target run's record)")
+    elif args.pool_cache is not None:
+        parser.error("--pool-cache needs --reuse-target (a pool is only reusable for a fixed, saved target)")
     if not 0.0 <= args.distill_alpha <= 1.0:
         parser.error(f"--distill-alpha must be in [0, 1], got {args.distill_alpha}")
     from .checkpoint import parse_arch

@@ -58,6 +58,25 @@ def build_model(cfg, seed: int):
     return LlamaForCausalLM(cfg).float()
 
 
+def init_from_target(draft, target) -> int:
+    """Copy into `draft` the target's token embedding, final norm, LM head and its first
+    draft-layers decoder layers (the shapes must match: same hidden size, heads, KV heads and ffn). Returns the
+    number of parameters copied."""
+    d_cfg, t_cfg = draft.config, target.config
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+    wrong = [k for k in keys if getattr(d_cfg, k) != getattr(t_cfg, k)]
+    if wrong or d_cfg.num_hidden_layers > t_cfg.num_hidden_layers:
+        raise ValueError(f"--draft-init target: the draft's {', '.join(wrong) or 'layer count'} differs from the "
+                         f"target's (give --draft-arch the target's hidden, heads, kv_heads and ffn)")
+    source = target.state_dict()
+    copied = 0
+    with torch.no_grad():
+        for name, param in draft.named_parameters():  # every draft name exists in the target (layers 0..n-1)
+            param.copy_(source[name].float())
+            copied += param.numel()
+    return copied
+
+
 def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 

@@ -15,6 +15,54 @@ from .train import log
 REPO = Path(__file__).resolve().parents[2]
 
 
+def target_record(results_path: Path, target_dir: Path) -> dict:
+    """The results of the run that trained the target saved in `target_dir` (checked by the weights' sha256)."""
+    record = json.loads(results_path.read_text(encoding="utf-8"))
+    sha = report.sha256(target_dir / "model.safetensors")
+    if not any(f["path"].endswith("target/model.safetensors") and f["sha256"] == sha for f in record["files"]):
+        raise SystemExit(f"--target-results {results_path}: no run there saved {target_dir / 'model.safetensors'} "
+                         f"(sha256 {sha[:16]}...)")
+    return record
+
+
+def target_runs(record: dict) -> list[dict]:
+    """The run(s) that trained the target, from its record (older records have no `runs` list)."""
+    runs = record.get("runs") or [{"kind": "full", "command": record["command"], "times": record["times"]}]
+    return [r for r in runs if r["kind"] == "full"]
+
+
+def pool_key(args, target_dir: Path) -> dict:
+    """Everything a saved pool depends on: the target's weights, the data and the pool settings."""
+    key = {"target_sha256": report.sha256(target_dir / "model.safetensors"), "seed": args.seed,
+           "stdlib": str(Path(args.stdlib).resolve()), "holdout_every": args.holdout_every,
+           "max_chars": args.max_chars, "ctx": args.ctx}
+    key |= {name: getattr(args, name) for name in ("pool_seqs", "pool_batch", "pool_new_tokens", "pool_prefix_min",
+                                                  "pool_prefix_max", "pool_top_k")}
+    if args.pool_seqs is None:
+        key["minutes_pool"] = args.minutes_pool
+    return key
+
+
+def greedy_pool(args, target, windows, target_dir: Path) -> tuple[train.Pool, bool]:
+    """Generate the pool, or load it from --pool-cache when that file was made with the same key; the pool and
+    whether it was loaded."""
+    key = pool_key(args, target_dir) if args.pool_cache else None
+    if key and args.pool_cache.is_file():
+        pool = train.load_pool(args.pool_cache, key)
+        if pool is not None:
+            log(f"pool: loaded {len(pool)} sequences from {args.pool_cache} (generated in {pool.seconds:.0f} s)")
+            return pool, True
+        log(f"pool: {args.pool_cache} was made with other settings; generating a new one")
+    pool = train.generate_pool(
+        target, windows, seqs=args.pool_seqs, minutes=args.minutes_pool, batch=args.pool_batch,
+        new_tokens=args.pool_new_tokens, prefix_range=(args.pool_prefix_min, args.pool_prefix_max),
+        top_k=args.pool_top_k, seed=args.seed + 3)
+    if key:
+        args.pool_cache.parent.mkdir(parents=True, exist_ok=True)
+        train.save_pool(pool, args.pool_cache, key)
+    return pool, False
+
+
 def run(args, command: str) -> dict:
     import sentencepiece as spm
     import transformers
@@ -23,10 +71,15 @@ def run(args, command: str) -> dict:
     torch.manual_seed(args.seed)
     t_start = time.time()
     times = {}
+    reuse = args.reuse_target is not None
+    record = target_record(args.target_results, args.reuse_target) if reuse else None
 
     corpus = data.Corpus.load(Path(args.stdlib), args.holdout_every, args.max_chars)
     t0 = time.time()
-    sp_model = data.train_tokenizer(corpus.train_texts, args.vocab_size, args.threads)
+    if reuse:
+        sp_model = (args.reuse_target / "tokenizer.model").read_bytes()
+    else:
+        sp_model = data.train_tokenizer(corpus.train_texts, args.vocab_size, args.threads)
     sp = spm.SentencePieceProcessor(model_proto=sp_model)
     newline = sp.piece_to_id("<0x0A>")
     train_stream = data.token_stream(sp, corpus.train_texts)
@@ -35,29 +88,40 @@ def run(args, command: str) -> dict:
     log(f"{len(corpus.files)} files: {len(corpus.train_texts)} train ({len(train_stream):,} tokens), "
         f"{len(corpus.held_texts)} held out ({len(held_stream):,} tokens); tokenizer {times['tokenizer']:.0f} s")
 
-    data.write_prompts(args.prompts_out, data.extract_prompts(corpus.held_texts, args.num_prompts))
+    if not reuse:
+        data.write_prompts(args.prompts_out, data.extract_prompts(corpus.held_texts, args.num_prompts))
     prompts = data.read_prompt_file(args.prompts_out)
     bench_prompts = data.read_prompt_file(args.specbench, args.specbench_count) if args.specbench else []
 
-    # target
-    target_arch, draft_arch = checkpoint.parse_arch(args.target_arch), checkpoint.parse_arch(args.draft_arch)
-    target = checkpoint.build_model(checkpoint.llama_config(target_arch, sp.get_piece_size(), args.ctx), args.seed)
+    # target: trained here, or the saved one (--reuse-target)
+    draft_arch = checkpoint.parse_arch(args.draft_arch)
     windows = data.Windows(train_stream, newline, args.ctx, args.seed + 2)
-    log(f"target: {checkpoint.n_params(target) / 1e6:.2f}M parameters, {len(windows):,} training windows")
-    train_target = train.train_loop(
-        "target", target, train.window_batches(windows, args.batch_target), train.lm_loss,
-        train.TrainConfig(args.batch_target, args.lr_target, args.warmup_target, args.weight_decay, args.clip,
-                          args.minutes_target, args.target_steps, args.log_every))
-    times["target"] = train_target["seconds"]
+    t_dir, d_dir = (args.reuse_target if reuse else args.out / "target"), args.out / "draft"
+    if reuse:
+        target = checkpoint.load_saved(t_dir)
+        target_arch, train_target = record["target_arch"], record["train_target"]
+        log(f"target: {checkpoint.n_params(target) / 1e6:.2f}M parameters, loaded from {t_dir} (not trained)")
+    else:
+        target_arch = checkpoint.parse_arch(args.target_arch)
+        target = checkpoint.build_model(checkpoint.llama_config(target_arch, sp.get_piece_size(), args.ctx), args.seed)
+        log(f"target: {checkpoint.n_params(target) / 1e6:.2f}M parameters, {len(windows):,} training windows")
+        train_target = train.train_loop(
+            "target", target, train.window_batches(windows, args.batch_target), train.lm_loss,
+            train.TrainConfig(args.batch_target, args.lr_target, args.warmup_target, args.weight_decay, args.clip,
+                              args.minutes_target, args.target_steps, args.log_every))
+        times["target"] = train_target["seconds"]
     target.requires_grad_(False)
 
     # greedy pool, then the draft
-    pool = train.generate_pool(
-        target, windows, seqs=args.pool_seqs, minutes=args.minutes_pool, batch=args.pool_batch,
-        new_tokens=args.pool_new_tokens, prefix_range=(args.pool_prefix_min, args.pool_prefix_max),
-        top_k=args.pool_top_k, seed=args.seed + 3)
+    pool, pool_loaded = greedy_pool(args, target, windows, t_dir)
     times["pool"] = pool.seconds
     draft = checkpoint.build_model(checkpoint.llama_config(draft_arch, sp.get_piece_size(), args.ctx), args.seed + 1)
+    if args.draft_init == "target":
+        try:
+            copied = checkpoint.init_from_target(draft, target)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+        log(f"draft: {copied / 1e6:.2f}M parameters copied from the target")
     log(f"draft: {checkpoint.n_params(draft) / 1e6:.2f}M parameters; pool {len(pool)} sequences, "
         f"{pool.generated_tokens:,} generated tokens ({pool.seconds:.0f} s)")
     batches = train.PoolBatches(pool, args.batch_draft, args.seed + 4)
@@ -68,10 +132,10 @@ def run(args, command: str) -> dict:
     times["draft"] = train_draft["seconds"]
 
     # save (bfloat16), then evaluate what was saved
-    t_dir, d_dir = args.out / "target", args.out / "draft"
-    checkpoint.save_checkpoint(target, t_dir, sp_model)
+    if not reuse:
+        checkpoint.save_checkpoint(target, t_dir, sp_model)
     checkpoint.save_checkpoint(draft, d_dir, sp_model)
-    log(f"saved {t_dir} and {d_dir}")
+    log(f"saved {d_dir}" if reuse else f"saved {t_dir} and {d_dir}")
     t0 = time.time()
     target, draft = checkpoint.load_saved(t_dir), checkpoint.load_saved(d_dir)
     tok_check = checkpoint.check_tokenizers(t_dir, sp, corpus.held_texts)
@@ -91,10 +155,15 @@ def run(args, command: str) -> dict:
     times["eval"] = time.time() - t0
     times["total"] = time.time() - t_start
 
-    shipped = sorted(p for p in args.out.rglob("*") if p.is_file()) + [args.prompts_out]
+    shipped = sorted(p for p in [*d_dir.iterdir(), *t_dir.iterdir()] if p.is_file()) + [args.prompts_out]
+    this_run = {"kind": "draft-only" if reuse else "full", "command": command, "times": times,
+                "pool_loaded": pool_loaded,
+                "date": time.strftime("%Y-%m-%d", time.gmtime())}
     results = {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "command": command,
+        "runs": (target_runs(record) if reuse else []) + [this_run],
+        "target_args": record["args"] if reuse else None,
         "env": {"python": platform.python_version(), "torch": torch.__version__,
                 "transformers": transformers.__version__, "sentencepiece": spm.__version__,
                 "cpu": platform.processor() or platform.machine()},
@@ -112,7 +181,7 @@ def run(args, command: str) -> dict:
         "prompts_file": report.display_path(args.prompts_out, REPO),
         "train_target": train_target, "train_draft": train_draft, "pool_passes": batches.passes,
         "pool": {"seqs": len(pool), "generated_tokens": pool.generated_tokens, "tokens": int(pool.lengths.sum()),
-                 "seconds": times["pool"]},
+                 "seconds": times["pool"], "loaded_from_cache": pool_loaded},
         "heldout": heldout, "spec": spec, "greedy_agreement": greedy_agreement, "near_tie": evaluate.NEAR_TIE,
         "tok_check": tok_check, "times": times, "files": report.file_rows(shipped, REPO),
         "samples": [prompts[i] + sp.decode(outputs[i]) for i in range(min(3, len(prompts)))],

@@ -3,6 +3,10 @@ speculative method (tokens/s, acceptance, exact match) at the given batch sizes.
 
     python -m bench.default_pair.speed --threads 2 --repeats 5 --batch-sizes 1,8
 
+Several drafts can be compared against the same target in one run (`--draft A --draft B`, `-k auto`): every
+draft gets its own forward-time row and its own speculative LLM, and each repetition runs AR and every
+speculative LLM back to back, the order rotating, so the ratios are measured side by side.
+
 Forward times: our `Transformer` (specdec.models.load_model) prefills one held-out prompt, then one forward of
 T new tokens is timed on a fresh copy of that cache (T = 1: a decode or draft step; T = k + 1: a verify), the
 repetitions of target and draft interleaved. End to end: every LLM is built and warmed up (one generate on
@@ -30,18 +34,33 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.default_pair.speed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=str(ASSETS / "default_pair/target"), help="target checkpoint directory")
-    p.add_argument("--draft", default=str(ASSETS / "default_pair/draft"), help="draft checkpoint directory")
+    p.add_argument("--draft", action="append", help="draft checkpoint directory; give it again to compare several "
+                   "drafts in one run (default: the shipped draft)")
     p.add_argument("--prompts", default=str(ASSETS / "prompts.txt"), help="prompt file (.txt or .jsonl)")
     p.add_argument("--num-prompts", type=int, default=32, help="first N prompts")
     p.add_argument("--method", default="eqspec", help="speculative method compared with ar")
-    p.add_argument("-k", type=int, default=5, help="draft tokens per step")
+    p.add_argument("-k", type=k_value, default=5, help="draft tokens per step, or 'auto' (the runtime chooses k)")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--repeats", type=int, default=5, help="timed repetitions (medians reported)")
     p.add_argument("--forward-repeats", type=int, default=50, help="timed forwards per model and T")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     p.add_argument("--dtype", default="float32", help="runtime dtype")
-    return p.parse_args(argv)
+    p.add_argument("--skip-forwards", action="store_true", help="end-to-end table only")
+    args = p.parse_args(argv)
+    args.draft = args.draft or [str(ASSETS / "default_pair/draft")]
+    args.verify_tokens = (5 if args.k == "auto" else args.k) + 1  # the timed verify forward: k + 1 tokens
+    return args
+
+
+def k_value(text: str):
+    return "auto" if text.strip().lower() == "auto" else int(text)
+
+
+def draft_names(drafts: list[str]) -> list[str]:
+    """Short unique labels for the drafts (the directory path when the last parts clash)."""
+    short = [Path(d).name for d in drafts]
+    return short if len(set(short)) == len(short) else [str(Path(d)) for d in drafts]
 
 
 def med(values: list[float]) -> str:
@@ -52,14 +71,15 @@ def forward_times(args, prompt_ids: list[int]) -> dict:
     """ms per forward of T new tokens at batch 1 after the prompt, target and draft interleaved."""
     from specdec.models import load_model
 
-    models = {"target": load_model(args.target, dtype=args.dtype), "draft": load_model(args.draft, dtype=args.dtype)}
+    models = {"target": load_model(args.target, dtype=args.dtype)}
+    models |= {f"draft {n}": load_model(d, dtype=args.dtype) for n, d in zip(draft_names(args.draft), args.draft)}
     prompt = torch.tensor([prompt_ids])  # [1, P]
     P = prompt.shape[1]
-    times = {(name, T): [] for name in models for T in (1, args.k + 1)}
+    times = {(name, T): [] for name in models for T in (1, args.verify_tokens)}
     for rep in range(args.forward_repeats + 3):
         for (name, T) in times:
             model = models[name]
-            cache = model.new_cache(1, P + args.k + 1, "ragged")
+            cache = model.new_cache(1, P + args.verify_tokens, "ragged")
             cache.set_prefill([P], P)
             model(prompt, cache, logits="last")
             new = torch.randint(3, model.vocab_size, (1, T))  # [1, T]
@@ -74,24 +94,33 @@ def end_to_end(args, prompts: list[str], batch_size: int) -> dict:
     from specdec import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    llms = {"ar": LLM(target=args.target, method="ar", batch_size=batch_size, dtype=args.dtype),
-            args.method: LLM(target=args.target, draft=args.draft, method=args.method,
-                             num_speculative_tokens=args.k, batch_size=batch_size, dtype=args.dtype)}
+    llms = {"ar": LLM(target=args.target, method="ar", batch_size=batch_size, dtype=args.dtype)}
+    for name, draft in zip(draft_names(args.draft), args.draft):
+        llms[name] = LLM(target=args.target, draft=draft, method=args.method, num_speculative_tokens=args.k,
+                         batch_size=batch_size, dtype=args.dtype)
     for llm in llms.values():
         llm.generate(prompts[:2], params, use_tqdm=False)
     runs = {name: [] for name in llms}
+    names = list(llms)
     for rep in range(args.repeats):
-        for name in (list(llms) if rep % 2 == 0 else list(llms)[::-1]):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:  # rotate which method runs first
             t0 = time.perf_counter()
             outs = llms[name].generate(prompts, params, use_tqdm=False)
             wall = time.perf_counter() - t0
             runs[name].append((sum(len(o.token_ids) for o in outs) / wall, outs))
     ar_ids = [o.token_ids for o in runs["ar"][0][1]]
-    spec_outs = runs[args.method][0][1]
-    return {"tokens_per_s": {n: [r[0] for r in v] for n, v in runs.items()},
-            "acceptance": spec_outs.metrics.acceptance_rate,
-            "tokens_per_step": spec_outs.metrics.mean_tokens_per_step,
-            "exact": sum(o.token_ids == a for o, a in zip(spec_outs, ar_ids)), "prompts": len(prompts)}
+    ar_tps = [r[0] for r in runs["ar"]]
+    rows = {}
+    for name in names[1:]:
+        outs = runs[name][0][1]
+        m = outs.metrics
+        tps = [r[0] for r in runs[name]]
+        steps = sum(m.k_histogram.values())
+        rows[name] = {"ar": ar_tps, "spec": tps, "speedups": [s / a for s, a in zip(tps, ar_tps)],
+                      "acceptance": m.acceptance_rate, "tokens_per_step": m.mean_tokens_per_step,
+                      "mean_k": sum(k * n for k, n in m.k_histogram.items()) / steps if steps else float("nan"),
+                      "exact": sum(o.token_ids == a for o, a in zip(outs, ar_ids)), "prompts": len(prompts)}
+    return rows
 
 
 def main(argv=None) -> int:
@@ -104,20 +133,23 @@ def main(argv=None) -> int:
     print(f"python -m bench.default_pair.speed {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(f"torch {torch.__version__}, {args.threads} threads, {args.dtype}, load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
-    times = forward_times(args, tokenizer.encode(prompts[0]))
-    print(f"| model | ms per forward, 1 new token | ms per forward, {args.k + 1} new tokens |\n|---|---:|---:|")
-    for name in ("target", "draft"):
-        print(f"| {name} | {med(times[(name, 1)])} | {med(times[(name, args.k + 1)])} |")
-    ratio = statistics.median(times[("target", 1)]) / statistics.median(times[("draft", 1)])
-    print(f"\ntarget / draft, one new token: {ratio:.1f}x\n")
-    print(f"| batch | ar tokens/s | {args.method} tokens/s | speed-up | acceptance | tokens/step | exact vs ar |\n"
-          f"|---:|---:|---:|---:|---:|---:|---:|")
+    if not args.skip_forwards:
+        times = forward_times(args, tokenizer.encode(prompts[0]))
+        T = args.verify_tokens
+        print(f"| model | ms per forward, 1 new token | ms per forward, {T} new tokens | target / model, 1 token |\n"
+              f"|---|---:|---:|---:|")
+        t1 = statistics.median(times[("target", 1)])
+        for name in dict.fromkeys(n for n, _ in times):
+            print(f"| {name} | {med(times[(name, 1)])} | {med(times[(name, T)])} | "
+                  f"{t1 / statistics.median(times[(name, 1)]):.1f}x |")
+        print()
+    print(f"| batch | draft | k | ar tokens/s | {args.method} tokens/s | speed-up | acceptance | tokens/step | "
+          f"exact vs ar |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
-        r = end_to_end(args, prompts, batch_size)
-        tps = r["tokens_per_s"]
-        speedups = [s / a for s, a in zip(tps[args.method], tps["ar"])]
-        print(f"| {batch_size} | {med(tps['ar'])} | {med(tps[args.method])} | {med(speedups)}x | "
-              f"{r['acceptance']:.3f} | {r['tokens_per_step']:.2f} | {r['exact']}/{r['prompts']} |", flush=True)
+        for name, r in end_to_end(args, prompts, batch_size).items():
+            k = f"auto ({r['mean_k']:.1f})" if args.k == "auto" else str(args.k)
+            print(f"| {batch_size} | {name} | {k} | {med(r['ar'])} | {med(r['spec'])} | {med(r['speedups'])}x | "
+                  f"{r['acceptance']:.3f} | {r['tokens_per_step']:.2f} | {r['exact']}/{r['prompts']} |", flush=True)
     print(f"\nload average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     return 0
 

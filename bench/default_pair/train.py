@@ -160,6 +160,31 @@ def generate_pool(target, data: Windows, *, seqs: int | None, minutes: float, ba
                 time.time() - start)
 
 
+POOL_FIELDS = ("tokens", "lengths", "prefix_lengths", "top_ids", "top_logp")
+
+
+def save_pool(pool: Pool, path, key: dict) -> None:
+    """The pool as an .npz with the settings `key` that made it (ids as int16: the vocabulary is < 32768)."""
+    import json
+
+    arrays = {f: getattr(pool, f) for f in POOL_FIELDS}
+    arrays["top_ids"] = arrays["top_ids"].astype(np.int16)
+    with open(path, "wb") as fh:  # a file object: np.savez would append .npz to a name without it
+        np.savez(fh, key=np.array(json.dumps(key, sort_keys=True)), seconds=np.array(pool.seconds), **arrays)
+
+
+def load_pool(path, key: dict) -> Pool | None:
+    """The pool saved at `path` if it was made with exactly the settings `key`, else None."""
+    import json
+
+    with np.load(path) as z:
+        if json.loads(str(z["key"])) != key:
+            return None
+        arrays = {f: z[f] for f in POOL_FIELDS}
+        arrays["top_ids"] = arrays["top_ids"].astype(np.int64)
+        return Pool(**arrays, seconds=float(z["seconds"]))
+
+
 class PoolBatches:
     """Rows of the pool in a seeded order, reshuffled every pass."""
 
