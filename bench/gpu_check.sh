@@ -1,25 +1,27 @@
 #!/usr/bin/env bash
 # GPU check of the Triton kernels: native kernel tests, microbenchmarks (JSON) and an end-to-end throughput run.
 #
-#   bash bench/gpu_check.sh [RESULTS_DIR]        # default ./gpu_results; about 5-7 minutes on an H200
+#   bash bench/gpu_check.sh [RESULTS_DIR]        # default ./gpu_results; about 6-9 minutes on an H200
 #
 # Installs nothing from the network: torch and triton must already be there (the repository is installed
 # with `pip install -e . --no-deps --no-index` only if `specdec` does not import). Every step has its own
-# timeout inside an overall budget ($GPU_CHECK_BUDGET_S, default 450 s); a failing step does not stop the
+# timeout inside an overall budget ($GPU_CHECK_BUDGET_S, default 520 s); a failing step does not stop the
 # others, and the exit status is non-zero if any step failed. Results in RESULTS_DIR:
 #   env.txt                 versions, GPU, git revision
 #   kernel_tests.log/.xml   python -m pytest tests/test_kernel*.py, compiled kernels (TRITON_INTERPRET=0)
+#   invariant_tests.log/.xml  tests/test_batch_invariant.py natively: bitwise batch invariance on CUDA
 #   bench_realign.json/.log, bench_rejection.json/.log
 #                           microbenchmarks (pytest-benchmark JSON; GB/s etc. in each "extra_info")
 #   bench_summary.md        realign GB/s vs torch copy, in place vs ping-pong; rejection times
 #   throughput.log + files  python bench/throughput.py --device cuda --dtype bfloat16 --quick --out RESULTS_DIR
+#   throughput_compiled.log the same with --compile (CUDA graphs, "reduce-overhead"), into RESULTS_DIR/compiled
 #   status.txt              one line per step: name, exit code, seconds
 # GPU_CHECK_ALLOW_CPU=1 dry-runs the script itself on a machine without a GPU (kernel tests skip, CPU benchmarks).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 OUT_DIR="$(mkdir -p "${1:-./gpu_results}" && cd "${1:-./gpu_results}" && pwd)"
-BUDGET="${GPU_CHECK_BUDGET_S:-450}"
+BUDGET="${GPU_CHECK_BUDGET_S:-520}"
 START=$SECONDS
 FAILED=0
 : > "$OUT_DIR/status.txt"
@@ -80,6 +82,10 @@ head -n 8 "$OUT_DIR/env.txt"
 step kernel_tests 150 "$OUT_DIR/kernel_tests.log" \
     env SPECDEC_KERNELS=triton python -m pytest -q -rs tests/test_kernel*.py --junitxml="$OUT_DIR/kernel_tests.xml" || true
 
+# -- 1b. batch-invariant mode natively (Triton matmul/attention on CUDA): bitwise equal logits across B, T, layout
+step invariant_tests 120 "$OUT_DIR/invariant_tests.log" \
+    python -m pytest -q -rs tests/test_batch_invariant.py --junitxml="$OUT_DIR/invariant_tests.xml" || true
+
 # -- 2. microbenchmarks: realign and rejection apart (a timeout loses one JSON, not both); the quick grid
 #       if the full one did not finish
 bench_part() {
@@ -124,6 +130,12 @@ if [[ -f bench/throughput.py ]]; then
         python bench/throughput.py --device cuda --dtype bfloat16 --quick --out "$OUT_DIR" || true
 else
     echo "throughput skipped: bench/throughput.py does not exist (yet)" | tee -a "$OUT_DIR/status.txt"
+fi
+
+# -- 4. the same, compiled (CUDA graphs over the batch-size buckets; compile time in the log)
+if [[ -f bench/throughput.py ]]; then
+    step throughput_compiled 150 "$OUT_DIR/throughput_compiled.log" \
+        python bench/throughput.py --device cuda --dtype bfloat16 --quick --compile --out "$OUT_DIR/compiled" || true
 fi
 
 echo "== done in $(( SECONDS - START ))s; results in $OUT_DIR"

@@ -70,6 +70,14 @@ QUICK = dict(batch_sizes="1,4", num_prompts=4, max_tokens=32)
 COLORS = {"ar": "C0", "eqspec": "C1", "ragged": "C2", "exspec": "C3"}  # one colour per method in every plot
 
 
+def color_of(label: str, labels: list[str]) -> str:
+    """The method's colour; METHOD:K variants take C4, C5, ... in the order they are listed."""
+    if label in COLORS:
+        return COLORS[label]
+    variants = [m for m in labels if m not in COLORS]
+    return f"C{4 + variants.index(label) % 6}"
+
+
 # ---------------------------------------------------------------------------------------------- arguments
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows '(default: X)' only where there is a plain default (None/False ones are explained in the text)."""
@@ -118,6 +126,9 @@ def parse_args(argv=None):
                    help="draft tokens per step: an integer, or 'auto' (chosen every step by the cost model)")
     g.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="time the phases of every step (realign share, phase split); synchronises on CUDA")
+    g.add_argument("--compile", action="store_true",
+                   help="LLM(compile=True): torch.compile the forwards (CUDA graphs on a GPU); the warm-up "
+                        "generation pays the compilation, outside the timed region")
     g.add_argument("--max-tokens", type=int, default=None,
                    help="new tokens per request (default 128; 32 with --quick)")
     g.add_argument("--window-size", type=int, default=48,
@@ -158,7 +169,9 @@ def parse_args(argv=None):
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     g.add_argument("--replot", default=None, metavar="JSONL",
                    help="run nothing: re-render the markdown table and plots of an earlier run from its "
-                        "throughput-<mode>.jsonl (into --out if given, else next to the file)")
+                        "throughput-<mode>.jsonl (into --out if given, else next to the file); several "
+                        "comma-separated files (one sweep run in parts, e.g. small and large batch sizes) "
+                        "merge into one table and plot")
     g.add_argument("--quick", action="store_true",
                    help=f"tiny smoke run (CI / GPU script): tiny pair unless --target/--pair given, batch sizes "
                         f"{QUICK['batch_sizes']}, {QUICK['num_prompts']} prompts, {QUICK['max_tokens']} tokens "
@@ -247,7 +260,7 @@ def make_llm(models, label: str, batch_size: int, args) -> LLM:
     return LLM(target=models["target"], draft=models["draft"], method=method,
                num_speculative_tokens=5 if k is None else k, batch_size=batch_size, dtype=args.dtype,
                device=args.device, window_size=max(args.window_size, batch_size), tokenizer=models["tokenizer"],
-               profile=args.profile)
+               profile=args.profile, compile=args.compile)
 
 
 def run_one(models, method: str, batch_size: int, prompts, args, use_tqdm=True):
@@ -403,8 +416,8 @@ def plot(rows, args, tag: str) -> list[str]:
     for m in methods:
         pts = [(r["batch_size"], r["tokens_per_s"], r.get("speedup_vs_ar_same_b")) for r in rows
                if r["method"] == m and r["status"] == "ok"]
-        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m, color=COLORS.get(m))
-        axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=m, color=COLORS.get(m))
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m, color=color_of(m, args.methods))
+        axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=m, color=color_of(m, args.methods))
     axes[0].set_ylabel("tokens/s")
     axes[1].set_ylabel("speedup over AR at the same B")
     axes[1].axhline(1.0, color="gray", lw=0.8, ls="--")
@@ -430,7 +443,7 @@ def plot(rows, args, tag: str) -> list[str]:
         for j, m in enumerate(spec):
             share = {r["batch_size"]: r["realign_share"] for r in rows if r["method"] == m and r["status"] == "ok"}
             values = [100 * share.get(b, 0.0) for b in args.batch_sizes]
-            bars = ax.bar([x + j * width for x in xs], values, width, label=m, color=COLORS.get(m))
+            bars = ax.bar([x + j * width for x in xs], values, width, label=m, color=color_of(m, args.methods))
             ax.bar_label(bars, [f"{v:.1f}" for v in values], fontsize=7)
         ax.set_xticks([x + width * (len(spec) - 1) / 2 for x in xs], [str(b) for b in args.batch_sizes])
         ax.set_xlabel("batch size")
@@ -486,7 +499,8 @@ def header(meta) -> str:
             f"{c1['ratio']:.1f} after the sweep  \n"
             f"prompts: {meta['prompts']}  \n"
             f"k = {meta['k']}, {meta['max_tokens']} new tokens, greedy, ignore_eos, {meta['dtype']} on "
-            f"{meta['device']}, {meta['threads']} thread(s), repeats {meta['repeats']}"
+            f"{meta['device']}{', compiled' if meta.get('compile') else ''}, {meta['threads']} thread(s), "
+            f"repeats {meta['repeats']}"
             f"{', git ' + meta['git'] if meta.get('git') else ''}  \n"
             f"command: `{meta['command']}`")
 
@@ -503,14 +517,23 @@ def render(rows, meta, args, tag) -> str:
 
 
 def replot(args) -> None:
-    with open(args.replot) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    """Re-render the markdown and plots of one run's JSONL, or of several runs of one sweep split over
+    batch sizes (comma-separated JSONL files: rows concatenated, batch sizes merged, the first run's header)."""
+    paths = args.replot.split(",")
+    records = []
+    for path in paths:
+        with open(path) as f:
+            records += [json.loads(line) for line in f if line.strip()]
     meta = records[0]["meta"]
     rows = [{k: v for k, v in r.items() if k != "meta"} for r in records]
     for key in ("batch_sizes", "methods", "num_speculative_tokens", "max_tokens", "dtype", "device"):
         setattr(args, key, meta["args"][key])
+    args.batch_sizes = sorted({r["batch_size"] for r in rows})
+    if len(paths) > 1:
+        rows.sort(key=lambda r: r["batch_size"])  # stable: each run's method order kept
+        meta = dict(meta, command=" ; ".join(json.loads(open(p).readline())["meta"]["command"] for p in paths))
     if not args.out_given:
-        args.out = os.path.dirname(os.path.abspath(args.replot))
+        args.out = os.path.dirname(os.path.abspath(paths[0]))
     os.makedirs(args.out, exist_ok=True)
     print(render(rows, meta, args, meta["lengths"]))
 
@@ -550,9 +573,10 @@ def main(argv=None):
 
     if not args.no_warmup:  # untimed: first-call allocations, lazy imports, kernel selection
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        for method in args.methods:
+        warm_sizes = (1, 2) if args.compile else (2,)  # compiled: batch 1 has its own graphs (specialised)
+        for method, B in ((m, b) for m in args.methods for b in warm_sizes):
             try:
-                make_llm(models, method, 2, args).generate(prompt_token_ids=prompts[:2], sampling_params=params)
+                make_llm(models, method, B, args).generate(prompt_token_ids=prompts[:2], sampling_params=params)
             except Exception:  # reported by the sweep itself
                 pass
 
@@ -569,7 +593,7 @@ def main(argv=None):
         "target_params": sum(p.numel() for p in models["target"].parameters()),
         "draft_params": sum(p.numel() for p in models["draft"].parameters()),
         "cost_before": cost_before, "cost_after": cost_after, "prompts": source, "lengths": tag,
-        "k": args.num_speculative_tokens, "max_tokens": args.max_tokens, "dtype": args.dtype,
+        "k": args.num_speculative_tokens, "max_tokens": args.max_tokens, "dtype": args.dtype, "compile": args.compile,
         "device": args.device, "threads": torch.get_num_threads(), "repeats": args.repeats,
         "git": git_revision(), "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
         "cpu_count": os.cpu_count(), "total_time_s": time.perf_counter() - t_start,

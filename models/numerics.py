@@ -30,6 +30,10 @@ from specdec.kernels.bi_attention import Workspace, bi_attention, chunk_plan, fi
 from specdec.kernels.bi_matmul import bi_linear, pack_weight
 from specdec.kernels.dispatch import choose_backend
 
+# CPU float32 linear layers with M = B*T >= 2 rows: MKL's small-M GEMM costs ~M times its one-row GEMV
+# (M = 2..8 measured 1.8-2.9x the time of M = 1 at K = 384, N = 1536), oneDNN's blocked kernel on a
+# weight packed once stays nearly flat; the packed copy is extra memory, so it is on by default only up to:
+PACKED_LINEAR_LIMIT_BYTES = 1 << 30
 SILU_INVARIANT_DTYPES = (torch.bfloat16,)  # torch's CPU F.silu gives the same bits for every element position
 
 
@@ -63,16 +67,36 @@ def packed_weight(layer: nn.Linear):
 
 
 def drop_packed_weights(model: nn.Module) -> None:
-    """Free the packed copies (kept when the mode is switched off, so that switching back costs nothing)."""
+    """Free the packed copies (kept when the batch-invariant mode is switched off, so that switching back
+    costs nothing; `Transformer.packed_linear = False` frees them unless that mode uses them)."""
     for module in model.modules():
         module.__dict__.pop("bi_packed", None)
 
 
-def linear(layer: nn.Linear, x, invariant: bool, backend: str | None = None):
-    """`layer(x)`, or its batch-invariant equivalent (same weights, a fixed summation order per row)."""
-    if not invariant:
-        return layer(x)
-    return bi_linear(x, layer.weight, layer.bias, packed=packed_weight(layer), backend=backend)
+def linear(layer: nn.Linear, x, invariant: bool, backend: str | None = None, packed: bool = False):
+    """`layer(x)`, or its batch-invariant equivalent (same weights, a fixed summation order per row), or
+    with `packed` (ordinary mode, CPU float32, two or more rows) oneDNN on the layer's packed weight."""
+    if invariant:
+        return bi_linear(x, layer.weight, layer.bias, packed=packed_weight(layer), backend=backend)
+    if packed and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling():
+        rows = x.numel() // x.shape[-1]
+        weight = packed_weight(layer) if rows >= 2 else None  # one row: MKL's GEMV is the faster kernel
+        if weight is not None:
+            out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]).contiguous(), weight, layer.bias,
+                                                     "none", [], "")  # [M, N]
+            return out.view(*x.shape[:-1], out.shape[-1])
+    return layer(x)
+
+
+def packing_pays(model, limit_bytes: int = PACKED_LINEAR_LIMIT_BYTES) -> bool:
+    """Whether `packed_linear` is on by default for `model`: float32 on a CPU with oneDNN, and the packed
+    copies of its linear weights (the memory it costs) at most `limit_bytes`."""
+    first = next(model.parameters(), None)
+    if first is None or first.dtype != torch.float32 or first.device.type != "cpu" or pack_weight(
+            torch.zeros(8, 8)) is None:
+        return False
+    linear_bytes = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear))
+    return linear_bytes <= limit_bytes
 
 
 def silu(x, invariant: bool):

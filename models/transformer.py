@@ -83,6 +83,7 @@ class Attention(nn.Module):
             self.v_proj = nn.Linear(E, Hkv * D, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(H * D, E, bias=cfg.attention_out_bias)
         self.batch_invariant = False  # set by Transformer.batch_invariant (models/numerics.py)
+        self.packed_linear = False  # set by Transformer.packed_linear
         if cfg.qk_norm:
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
@@ -100,7 +101,8 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         if hasattr(self, "qkv_proj"):
-            qkv = numerics.linear(self.qkv_proj, x, self.batch_invariant, backend)  # [B, T, (H + 2 H_kv) D]
+            qkv = numerics.linear(self.qkv_proj, x, self.batch_invariant, backend,
+                                  self.packed_linear)  # [B, T, (H + 2 H_kv) D]
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -133,7 +135,7 @@ class Attention(nn.Module):
                 enable_gqa=cfg.num_heads != cfg.num_kv_heads,
             )  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim)  # [B, T, H * D]
-        return numerics.linear(self.o_proj, out, self.batch_invariant, backend)
+        return numerics.linear(self.o_proj, out, self.batch_invariant, backend, self.packed_linear)
 
 
 class MLP(nn.Module):
@@ -152,6 +154,7 @@ class MLP(nn.Module):
             self.up_proj = nn.Linear(E, I, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(I, E, bias=cfg.mlp_bias and not cfg.fused_gate_up)
         self.batch_invariant = False  # set by Transformer.batch_invariant (models/numerics.py)
+        self.packed_linear = False  # set by Transformer.packed_linear
 
     def fuse_(self) -> None:
         """Replace gate_proj/up_proj by one `gate_up_proj` (gate first), as GLM-4 stores it."""
@@ -162,12 +165,13 @@ class MLP(nn.Module):
         self.fused = True
 
     def forward(self, x, backend=None):
-        invariant = self.batch_invariant
+        invariant, packed = self.batch_invariant, self.packed_linear
         if self.fused:
-            gate, up = numerics.linear(self.gate_up_proj, x, invariant, backend).chunk(2, dim=-1)  # gate first
+            gate, up = numerics.linear(self.gate_up_proj, x, invariant, backend, packed).chunk(2, dim=-1)  # gate first
         else:
-            gate, up = numerics.linear(self.gate_proj, x, invariant, backend), numerics.linear(self.up_proj, x, invariant, backend)
-        return numerics.linear(self.down_proj, numerics.silu(gate, invariant) * up, invariant, backend)
+            gate = numerics.linear(self.gate_proj, x, invariant, backend, packed)
+            up = numerics.linear(self.up_proj, x, invariant, backend, packed)
+        return numerics.linear(self.down_proj, numerics.silu(gate, invariant) * up, invariant, backend, packed)
 
 
 class DecoderLayer(nn.Module):
@@ -209,7 +213,9 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.compiled_forward = None  # set by `compile_forward`
+        self._compile_mode = None
         self._batch_invariant = False
+        self._packed_linear = False
         self._bi_workspace = None  # reusable buffers of batch-invariant attention (models/numerics.py)
 
     @property
@@ -224,6 +230,25 @@ class Transformer(nn.Module):
         self._batch_invariant = bool(on)
         for layer in self.layers:
             layer.self_attn.batch_invariant = layer.mlp.batch_invariant = bool(on)
+
+    @property
+    def packed_linear(self) -> bool:
+        """CPU float32 linear layers through oneDNN on weights packed once, for steps of two or more token
+        rows (models/numerics.py says why; `LLM` turns it on by default where `numerics.packing_pays`).
+        Costs one packed copy of every linear weight; other dtypes and devices ignore it."""
+        return self._packed_linear
+
+    @packed_linear.setter
+    def packed_linear(self, on: bool) -> None:
+        self._packed_linear = bool(on)
+        for layer in self.layers:
+            layer.self_attn.packed_linear = layer.mlp.packed_linear = bool(on)
+        if on:  # pack now, not inside the first timed step
+            for module in self.modules():
+                if isinstance(module, nn.Linear):
+                    numerics.packed_weight(module)
+        elif not self.batch_invariant:
+            numerics.drop_packed_weights(self)
 
     @property
     def vocab_size(self) -> int:
@@ -308,7 +333,7 @@ class Transformer(nn.Module):
                 h = h[:, -1:]  # [B, 1, E]
             else:
                 h = h[torch.arange(B, device=h.device), last_index][:, None]  # [B, 1, E]
-        return numerics.linear(self.lm_head, self.norm(h), self.batch_invariant, backend)
+        return numerics.linear(self.lm_head, self.norm(h), self.batch_invariant, backend, self.packed_linear)
 
     def compile_forward(self, mode: str | None = None) -> "Transformer":
         """Compile `forward_tensors` with torch.compile (inductor; `mode="reduce-overhead"` adds CUDA graphs
@@ -320,8 +345,11 @@ class Transformer(nn.Module):
         # emulate_precision_casts: round where eager rounds (RMSNorm's float32 pass), so the compiled
         # forward computes what the eager one does instead of skipping the casts; inductor's own float32
         # rsqrt/cos still differ from eager's in the last bit
+        if self.compiled_forward is not None and self._compile_mode == mode:
+            return self  # already compiled so: several LLMs sharing this model share its graphs
         self.compiled_forward = torch.compile(self.forward_tensors, mode=mode, fullgraph=True,
                                               options={"emulate_precision_casts": True})
+        self._compile_mode = mode
         return self
 
     @torch.no_grad()

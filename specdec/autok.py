@@ -3,9 +3,11 @@
 - **Cost model.** A forward's time as a function of M = rows x new tokens, for the target and for the
   draft, measured on the machine the job runs on: a few timed forwards at start-up (bounded by a time
   budget), cached in a small JSON file per model pair / dtype / device / threads / batch size, and
-  interpolated piecewise-linearly in M. A step of k drafts on B rows then costs
-  `t_draft(B * T0) + (k - 1) * t_draft(B) + t_target(B * (k + 1))` (T0: the first draft forward's
-  length, 2 or more after steps without the draft), a step of k = 0 `t_target(B)`, each plus the rest of
+  interpolated piecewise-linearly in M. A cached table is trusted only while a spot check agrees with
+  it (one target and one draft forward at the batch size, each within a factor 1.5 of the table: a table
+  measured while the machine was busy, or before a driver/library change, is measured again). A step
+  of k drafts on B rows then costs `t_draft(B * T0) + (k - 1) * t_draft(B) + t_target(B * (k + 1))`
+  (T0: the first draft forward's length, 2 or more after steps without the draft), a step of k = 0 `t_target(B)`, each plus the rest of
   the step (sampling, acceptance, bookkeeping), learned online per (B, k) from the steps' own wall times.
 - **Acceptance model.** Per request, a decayed count of accepted and offered drafts (a draft after the
   first rejection is never tested, so a step of k with a accepted counts a successes out of
@@ -33,6 +35,7 @@ import torch
 from specdec.models.cache import RAGGED
 
 DEFAULT_BUDGET_S = 2.0
+SPOT_CHECK_FACTOR = 1.5  # a cached cost table is measured again when a spot check is off by more than this
 
 
 # -------------------------------------------------------------------------------------------- cost table
@@ -84,8 +87,11 @@ def grid(batch_size: int, k_max: int) -> tuple[list[tuple[int, int]], list[tuple
 
 
 @torch.inference_mode()
-def time_forward(model, rows: int, new_tokens: int, context: int, vocab: int, repeats: int, logits: str) -> float:
-    """Median wall time of a forward of `new_tokens` tokens per row on top of a `context`-token prefix."""
+def time_forward(model, rows: int, new_tokens: int, context: int, vocab: int, repeats: int,
+                 logits: str) -> tuple[float, float]:
+    """(median wall time of a forward of `new_tokens` tokens per row on top of a `context`-token prefix,
+    seconds spent warming up: the prefill and the first, untimed forward, where a compiled model compiles)."""
+    start = time.perf_counter()
     device = getattr(model, "device", torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     cache = model.new_cache(rows, context + new_tokens + 1, RAGGED)
@@ -94,7 +100,7 @@ def time_forward(model, rows: int, new_tokens: int, context: int, vocab: int, re
     model.forward(prompt, cache, num_new=[context] * rows, logits="last")
     x = torch.randint(3, vocab, (rows, new_tokens), generator=g).to(device)  # [rows, T]
     length, host = cache.length, list(cache.host_length)
-    times = []
+    times, warm_up = [], 0.0
     for _ in range(repeats + 1):  # the first is a warm-up
         cache.set_rows(length=length, host_length=host)
         t0 = time.perf_counter()
@@ -102,27 +108,43 @@ def time_forward(model, rows: int, new_tokens: int, context: int, vocab: int, re
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+        if len(times) == 1:
+            warm_up = time.perf_counter() - start
+    return statistics.median(times[1:]), warm_up
 
 
 def calibrate(target, draft, batch_size: int, k_max: int, context: int, vocab: int,
               budget_s: float = DEFAULT_BUDGET_S) -> CostTable:
     """Time the grid's shapes, most useful first, until the budget is spent (at least the first two of
-    each model). Three repeats per shape, one if the forwards are slow."""
+    each model). Three repeats per shape, one if the forwards are slow. Warm-ups do not count against the
+    budget: with compile=True the first forward of a new shape compiles, which is not what a step costs."""
     t_grid, d_grid = grid(batch_size, k_max)
     tables: dict[str, dict[int, float]] = {"target": {}, "draft": {}}
-    start = time.perf_counter()
+    start, excluded = time.perf_counter(), 0.0
     plan = [("target", target, s, "all") for s in t_grid[:2]] + [("draft", draft, s, "last") for s in d_grid[:2]]
     plan += [("target", target, s, "all") for s in t_grid[2:]] + [("draft", draft, s, "last") for s in d_grid[2:]]
     for i, (name, model, (rows, T), logits) in enumerate(plan):
-        spent = time.perf_counter() - start
+        spent = time.perf_counter() - start - excluded
         if i >= 4 and spent > budget_s:
             break
         repeats = 3 if spent < budget_s / 2 else 1
         m = rows * T
-        t = time_forward(model, rows, T, context, vocab, repeats, logits)
+        t, warm_up = time_forward(model, rows, T, context, vocab, repeats, logits)
+        excluded += warm_up
         tables[name][m] = min(t, tables[name].get(m, float("inf")))
     return CostTable(monotone(tables["target"]), monotone(tables["draft"]))
+
+
+def agrees(table: CostTable, target, draft, batch_size: int, context: int, vocab: int,
+           factor: float = SPOT_CHECK_FACTOR) -> bool:
+    """Whether one timed target and one draft forward of one token per row (median of 3) are within
+    `factor` of what the table predicts: the check a cached table passes before it is used."""
+    for model, predicted, logits in ((target, table.target_time(batch_size), "all"),
+                                     (draft, table.draft_time(batch_size), "last")):
+        measured, _ = time_forward(model, batch_size, 1, context, vocab, 3, logits)
+        if not predicted / factor <= measured <= predicted * factor:
+            return False
+    return True
 
 
 def monotone(table: dict[int, float]) -> dict[int, float]:
@@ -160,10 +182,21 @@ def model_identity(model, spec) -> str | None:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def cache_key(target_id: str, draft_id: str, dtype, device, batch_size: int, k_max: int, context: int) -> str:
+def forward_variant(model) -> str:
+    """How a model's forward runs, as far as its cost goes: eager or compiled, batch-invariant or not,
+    packed linear weights or not."""
+    invariant = bool(getattr(model, "batch_invariant", False))
+    compiled = getattr(model, "compiled_forward", None) is not None and not invariant  # the mode runs eager
+    packed = bool(getattr(model, "packed_linear", False)) and not invariant and not compiled
+    return ("compiled" if compiled else "eager") + ("+batch-invariant" if invariant else "") + (
+        "+packed" if packed else "")
+
+
+def cache_key(target_id: str, draft_id: str, dtype, device, batch_size: int, k_max: int, context: int,
+              variant: str = "eager") -> str:
     context_bucket = 1 << max(context - 1, 1).bit_length()  # costs are cached per power-of-two context
     return (f"{target_id}/{draft_id}/{dtype}/{torch.device(device).type}/threads={torch.get_num_threads()}/"
-            f"B={batch_size}/k={k_max}/ctx={context_bucket}")
+            f"{variant}/B={batch_size}/k={k_max}/ctx={context_bucket}")
 
 
 def load_costs(path: str, key: str) -> CostTable | None:
@@ -305,12 +338,16 @@ def prepare_chooser(llm, chooser: KChooser, requests, target_spec, draft_spec, b
     context = max(1, min(context, llm.max_context - llm.options.k_max - 2))
     path = llm.options.cost_cache if llm.options.cost_cache is not None else default_cache_path()
     ids = model_identity(llm.target, target_spec), model_identity(llm.draft, draft_spec)
+    variant = "/".join(forward_variant(m) for m in (llm.target, llm.draft))
     key = cache_key(ids[0] or "object", ids[1] or "object", llm.target.dtype, llm.device, batch_size,
-                    llm.options.k_max, context)
+                    llm.options.k_max, context, variant)
     if chooser.costs is not None and chooser.key in (None, key):  # costs given by the caller, or already these
         return
     cacheable = bool(path) and None not in ids
     chooser.costs = load_costs(path, key) if cacheable else None
+    if chooser.costs is not None and not agrees(chooser.costs, llm.target, llm.draft, batch_size, context,
+                                                llm.vocab_size):
+        chooser.costs = None
     if chooser.costs is None:
         chooser.costs = calibrate(llm.target, llm.draft, batch_size, llm.options.k_max, context, llm.vocab_size)
         if cacheable:

@@ -8,7 +8,7 @@ import time
 import torch
 
 from specdec.models import CheckpointError, load_model, load_tokenizer
-from specdec.models.numerics import set_batch_invariant
+from specdec.models.numerics import packing_pays, set_batch_invariant
 
 from .batch import DecodeContext
 from .devices import engine_device
@@ -49,7 +49,8 @@ class LLM:
                  kernel_backend: str | None = None, window_size: int = 48, max_wait_steps: int = 8,
                  tokenizer=None, check_weights: bool = False, max_speculative_tokens: int = 8,
                  realign_cost_per_row: float = 0.175, fold_shift: bool = False, compile: bool | None = None,
-                 profile: bool = False, cost_cache: str | None = None, batch_invariant: bool = False):
+                 profile: bool = False, cost_cache: str | None = None, batch_invariant: bool = False,
+                 packed_weights: bool | None = None):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if batch_size < 1:
@@ -84,6 +85,8 @@ class LLM:
             for model in (self.target, self.draft):
                 if model is not None:
                     set_batch_invariant(model, True)
+        for model in (self.target, self.draft):
+            self._set_packed_weights(model, packed_weights)
         self.tokenizer = tokenizer
         if tokenizer is None and isinstance(target, (str, os.PathLike)) and _has_tokenizer(target):
             self.tokenizer = load_tokenizer(target)
@@ -107,6 +110,22 @@ class LLM:
             if not hasattr(model, "compile_forward"):
                 raise ValueError(f"compile=True needs models with compile_forward(); {type(model).__name__} has none")
             model.compile_forward(mode)
+
+    @staticmethod
+    def _set_packed_weights(model, packed: bool | None) -> None:
+        """`packed_weights`: None (default) packs the float32 CPU linear weights of models where
+        `numerics.packing_pays`; True requires a model with `packed_linear`; False leaves it off."""
+        if model is None:
+            return
+        if not hasattr(model, "packed_linear"):
+            if packed:
+                raise ValueError(f"packed_weights=True needs models with a `packed_linear` attribute; "
+                                 f"{type(model).__name__} has none")
+            return
+        if packed is None:
+            packed = packing_pays(model)
+        if packed or model.packed_linear:
+            model.packed_linear = bool(packed)
 
     def _model(self, spec, dtype):
         if isinstance(spec, (str, os.PathLike)):

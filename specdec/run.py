@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "every step (slow; raises naming the invariant, row and column)")
     p.add_argument("--compile", action="store_true", help="torch.compile the target and draft forwards (CUDA: with "
                    "CUDA graphs); the first steps of each shape compile (tens of seconds on a CPU, see docs/api.md)")
+    p.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="CPU float32: run steps of two or more token rows through oneDNN on linear weights packed "
+                        "once (one extra copy of them; 1.2-1.5x faster multi-token forwards of the default pair, "
+                        "docs/benchmarks.md). Default: on for float32 CPU models whose linear weights take at most "
+                        "1 GiB")
     p.add_argument("--batch-invariant", action="store_true", help="batch-invariant numerics: a token's logits are "
                    "the same bits whatever else shares the forward, so greedy speculative output equals AR bit for "
                    "bit in bfloat16 and float32 too (slower; docs/design.md)")
@@ -184,7 +189,7 @@ def run(args, sink: JsonlOutput | None = None) -> int:
               max_speculative_tokens=args.max_speculative_tokens, batch_size=args.batch_size, dtype=args.dtype,
               device=device, window_size=args.window_size, check_invariants=args.check_invariants,
               check_weights=args.check_weights, compile=args.compile, profile=args.profile,
-              batch_invariant=args.batch_invariant)
+              batch_invariant=args.batch_invariant, packed_weights=args.packed_weights)
     if llm.tokenizer is None:
         raise ValueError(f"--target {target}: no tokenizer.model or tokenizer.json, cannot encode text prompts")
     ids = encode_prompts(llm, prompts, args.chat)

@@ -7,7 +7,8 @@ import pytest
 
 from checkpoints import make_pair
 from specdec import LLM, SamplingParams
-from specdec.autok import CostTable, KChooser, calibrate, load_costs, monotone, save_costs
+from specdec.autok import (CostTable, KChooser, agrees, cache_key, calibrate, forward_variant, load_costs, monotone,
+                           save_costs)
 from specdec.models import load_model
 
 PARAMS = SamplingParams(max_tokens=32)
@@ -91,6 +92,42 @@ def test_calibration_is_bounded_and_cached(pair, tmp_path):
               check_invariants=False)
     llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=4))
     assert len(json.loads((tmp_path / "c.json").read_text())) == 1  # calibrated once, then read back
+    invariant = LLM(*pair, method="ragged", batch_size=2, dtype="float32", cost_cache=str(tmp_path / "c.json"),
+                    check_invariants=False, batch_invariant=True)
+    invariant.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=4))
+    keys = sorted(json.loads((tmp_path / "c.json").read_text()))
+    assert len(keys) == 2 and any("batch-invariant" in key for key in keys)  # its own costs, not eager's
+
+
+def test_a_stale_cached_table_is_measured_again(pair, tmp_path):
+    """A table cached while the machine was busy (here: 1000x too slow) fails the spot check and is
+    replaced; a plausible one passes it."""
+    path = tmp_path / "costs.json"
+    llm = LLM(*pair, method="ragged", batch_size=2, dtype="float32", cost_cache=str(path), check_invariants=False)
+    llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=4))
+    (key, entry), = json.loads(path.read_text()).items()
+    fresh = CostTable(entry["target"], entry["draft"])
+    assert agrees(fresh, llm.target, llm.draft, 2, 8, llm.vocab_size, factor=1000.0)
+    stale = CostTable({m: 1000 * t for m, t in fresh.target.items()}, {m: 1000 * t for m, t in fresh.draft.items()})
+    assert not agrees(stale, llm.target, llm.draft, 2, 8, llm.vocab_size)
+    save_costs(str(path), key, stale)
+    again = LLM(*pair, method="ragged", batch_size=2, dtype="float32", cost_cache=str(path), check_invariants=False)
+    again.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=4))
+    assert again.chooser.costs.target_time(2) < stale.target_time(2) / 10
+    assert load_costs(str(path), key).target_time(2) < stale.target_time(2) / 10  # and the cache is rewritten
+
+
+def test_cost_cache_key_names_how_the_forward_runs(pair):
+    target = load_model(pair[0], dtype="float32")
+    assert forward_variant(target) == "eager"
+    target.packed_linear = True
+    assert forward_variant(target) == "eager+packed"
+    target.compiled_forward = lambda *a: None  # what compile_forward sets (not called here)
+    assert forward_variant(target) == "compiled"
+    target.batch_invariant = True  # the mode runs eager whatever was compiled
+    assert forward_variant(target) == "eager+batch-invariant"
+    keys = {cache_key("t", "d", "float32", "cpu", 8, 8, 100, v) for v in ("eager", "compiled")}
+    assert len(keys) == 2
 
 
 class ScriptedChooser(KChooser):

@@ -1,0 +1,99 @@
+"""Packed float32 linear weights on the CPU (`LLM(packed_weights=...)`, models/numerics.py): what they buy.
+
+    python bench/packed_linear.py --threads 2 --repeats 300
+
+Part 1, one linear layer (K x N, default the default pair's 384 x 1536 gate/up projection): median time of
+`F.linear` (MKL) against oneDNN's `_linear_pointwise` on a weight packed once, for M = 1..48 rows, the two
+interleaved call by call. Part 2, the default pair's target: median time of one forward of T new tokens
+per row after a 64-token prefix, B = 1 and 8, packing off and on interleaved. Prints Markdown tables.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from specdec.autok import time_forward  # noqa: E402
+from specdec.models import load_model, numerics  # noqa: E402
+
+TARGET = os.path.join(REPO, "specdec", "assets", "default_pair", "target")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
+    p.add_argument("--repeats", type=int, default=300, help="timed calls per layer shape and implementation")
+    p.add_argument("--forward-repeats", type=int, default=30, help="timed forwards per (B, T, packing)")
+    p.add_argument("--in-features", type=int, default=384, help="K of the single layer")
+    p.add_argument("--out-features", type=int, default=1536, help="N of the single layer")
+    p.add_argument("--rows", default="1,2,3,4,6,8,16,48", help="comma-separated M of the single layer")
+    p.add_argument("--target", default=TARGET, help="checkpoint for part 2")
+    return p.parse_args(argv)
+
+
+def spread(times: list[float]) -> str:
+    return f"{statistics.median(times):.1f} ({min(times):.1f}-{max(times):.1f})"
+
+
+def layer_table(args) -> str:
+    weight = torch.randn(args.out_features, args.in_features)  # [N, K]
+    packed = numerics.pack_weight(weight)
+    lines = [f"| M | F.linear (us) | packed oneDNN (us) | F.linear / packed |", "|---:|---:|---:|---:|"]
+    for m in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(m, args.in_features)  # [M, K]
+        calls = {"mkl": lambda: F.linear(x, weight),
+                 "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
+        times = {name: [] for name in calls}
+        for rep in range(args.repeats + 20):
+            for name, call in calls.items():
+                t0 = time.perf_counter()
+                call()
+                if rep >= 20:  # warm-up
+                    times[name].append((time.perf_counter() - t0) * 1e6)
+        a, b = statistics.median(times["mkl"]), statistics.median(times["packed"])
+        lines.append(f"| {m} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
+    return "\n".join(lines)
+
+
+def forward_table(args) -> str:
+    model = load_model(args.target, dtype="float32")
+    times: dict = {}
+    shapes = [(1, 1), (1, 2), (1, 6), (8, 1), (8, 6)]
+    for _ in range(args.forward_repeats):
+        for packed in (False, True):
+            model.packed_linear = packed
+            for B, T in shapes:
+                t, _ = time_forward(model, B, T, 64, model.vocab_size, 1, "all")
+                times.setdefault((B, T, packed), []).append(t * 1e3)
+    lines = ["| B | T | unpacked (ms) | packed (ms) | unpacked / packed |", "|---:|---:|---:|---:|---:|"]
+    for B, T in shapes:
+        off, on = times[(B, T, False)], times[(B, T, True)]
+        ratio = statistics.median(off) / statistics.median(on)
+        lines.append(f"| {B} | {T} | {spread(off)} | {spread(on)} | {ratio:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if numerics.pack_weight(torch.zeros(8, 8)) is None:
+        sys.exit("this torch build has no oneDNN packed linear on this CPU: nothing to compare")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
+    print(f"One linear layer, K = {args.in_features}, N = {args.out_features}, median of {args.repeats} calls:\n")
+    print(layer_table(args))
+    print(f"\nTarget forward ({os.path.relpath(args.target, REPO)}), T new tokens per row after 64, median "
+          f"(min-max) of {args.forward_repeats}:\n")
+    print(forward_table(args))
+
+
+if __name__ == "__main__":
+    main()
