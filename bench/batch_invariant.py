@@ -2,7 +2,8 @@
 
     python bench/batch_invariant.py probe                 # which torch CPU ops are batch-invariant here, per dtype
     nice python bench/batch_invariant.py equivalence      # greedy spec == AR@1 on SpecBench, mode off and on
-    nice python bench/batch_invariant.py equivalence --num-prompts 64 --dtypes bfloat16   # a CI-sized slice
+    python bench/batch_invariant.py equivalence --prompts tests/data/spec_bench_64.jsonl --max-prompt-tokens 64 \
+        --max-tokens 16 --dtypes bfloat16   # the CI slice (tests/test_batch_invariant.py), mode off and on
     nice python bench/batch_invariant.py cost             # tokens/s with the mode on vs off, both pairs
 
 equivalence: SpecBench's 480 first turns (/work/shared/data/spec_bench/question.jsonl, or --prompts), tokenized
@@ -199,6 +200,8 @@ def equivalence(args) -> dict:
     with open(os.path.join(target, "config.json")) as f:
         context = json.load(f)["max_position_embeddings"]
     max_prompt = context - args.max_tokens - args.k - 1
+    if args.max_prompt_tokens:
+        max_prompt = min(max_prompt, args.max_prompt_tokens)
     ids, cut = specbench_ids(args.prompts, tokenizer, args.num_prompts, max_prompt)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     info = {"target": target, "draft": draft, "target_sha256": file_sha(os.path.join(target, "model.safetensors")),
@@ -333,6 +336,8 @@ def main(argv=None) -> int:
     p.add_argument("--target", default=None, help="equivalence: target checkpoint (default: the default pair)")
     p.add_argument("--draft", default=None, help="equivalence: draft checkpoint (default: the default pair)")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="equivalence: cut prompts to this many tokens (default: what fits the context)")
     p.add_argument("-k", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=8, help="equivalence: batch of the speculative methods")
     p.add_argument("--pairs", default="default,synthetic", help="cost: comma-separated, default and/or synthetic")

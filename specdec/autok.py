@@ -7,16 +7,25 @@
   it (one target and one draft forward at the batch size, each within a factor 1.5 of the table: a table
   measured while the machine was busy, or before a driver/library change, is measured again). A step
   of k drafts on B rows then costs `t_draft(B * T0) + (k - 1) * t_draft(B) + t_target(B * (k + 1))`
-  (T0: the first draft forward's length, 2 or more after steps without the draft), a step of k = 0 `t_target(B)`, each plus the rest of
-  the step (sampling, acceptance, bookkeeping), learned online per (B, k) from the steps' own wall times.
+  (T0: the first draft forward's length, 2 or more after steps without the draft), a step of k = 0
+  `t_target(B)`, each times a factor learned online from the steps' own wall times (measured over
+  predicted, the median of the last few steps, per B for k > 0 and for k = 0): it covers the rest of
+  the step (sampling, acceptance, bookkeeping) and the table's own error.
 - **Acceptance model.** Per request, a decayed count of accepted and offered drafts (a draft after the
   first rejection is never tested, so a step of k with a accepted counts a successes out of
   a + [a < k] trials), shrunk towards the run's pooled acceptance: alpha_i. A step of k is expected to
   emit E_i(k) = 1 + alpha_i + ... + alpha_i^k tokens in row i.
-- **Choice.** k* = argmax over 0..k_max of sum_i E_i(k) / t(B, k). k = 0 is a target-only step of the
-  same strategy: when verifying costs more per token than the drafts gain, speculation switches itself
-  off. After `explore_every` steps in a row at k = 0, one step with the best k >= 1 refreshes the
-  acceptance estimates (new requests would otherwise never be measured).
+- **Choice.** k* = argmax over 0..k_max of sum_i E_i(k) / t(B, k), at steady state (T0 = 2). k = 0 is a
+  target-only step of the same strategy: when verifying costs more per token than the drafts gain,
+  speculation switches itself off. A draft that has fallen behind (after k = 0 steps, or never prefilled:
+  with auto k the draft's prefill waits until the chooser drafts, `DecodeContext.prefill_draft`) must
+  first catch up on T0 > 2 tokens per row, a one-off cost: k* > 0 is kept only if drafting saves more
+  than that over the tokens the batch has left to produce.
+- **Exploration.** Until some drafts have been offered, and after `explore_every` steps in a row at
+  k = 0, one step with the best k >= 1 measures the acceptance (new requests would otherwise never be
+  measured) -- but only where a good draft (acceptance EXPLORE_ACCEPTANCE) could pay back the catch-up
+  over the tokens left: where even a good draft cannot win (a large batch on a compute-bound target), the
+  run costs exactly what AR costs, the draft never runs.
 
 Everything the chooser reads is on the host (lengths, accepted counts already read back, wall times):
 it adds no synchronisation.
@@ -29,12 +38,17 @@ import json
 import os
 import statistics
 import time
+from collections import deque
 
 import torch
 
 from specdec.models.cache import RAGGED
 
 DEFAULT_BUDGET_S = 2.0
+COST_MODEL_VERSION = 2  # in the cache key: tables of an older grid are measured again
+CATCH_UP_TOKENS = 64  # the draft is also timed at this many tokens per row (capped by the context): a catch-up
+EXPLORE_ACCEPTANCE = 0.8  # exploring is worth it only where a draft accepting this often would pay
+SCALE_WINDOW = 9  # steps in the robust (median) estimate of measured over predicted step time
 SPOT_CHECK_FACTOR = 1.5  # a cached cost table is measured again when a spot check is off by more than this
 
 
@@ -77,12 +91,15 @@ class CostTable:
                 "draft": {str(m): t for m, t in sorted(self.draft.items())}}
 
 
-def grid(batch_size: int, k_max: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def grid(batch_size: int, k_max: int, context: int = 2) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """(rows, new tokens) shapes to time, most useful first: target at every verify length of a full
-    batch and at T = 1 for smaller batches; draft at T = 1 for every power-of-two batch and T = 2."""
+    batch and at T = 1 for smaller batches; draft at T = 1 and 2 of a full batch, a catch-up of up to
+    CATCH_UP_TOKENS per row, then T = 1 for every power-of-two batch."""
     sizes = sorted({min(2 ** i, batch_size) for i in range(batch_size.bit_length() + 1)})
     target = [(batch_size, t) for t in range(1, k_max + 2)] + [(b, 1) for b in sizes if b < batch_size]
-    draft = [(batch_size, 1), (batch_size, 2)] + [(b, 1) for b in sizes if b < batch_size] + [(1, 2)]
+    catch_up = min(context, CATCH_UP_TOKENS)
+    draft = [(batch_size, 1), (batch_size, 2)] + ([(batch_size, catch_up)] if catch_up > 2 else [])
+    draft += [(b, 1) for b in sizes if b < batch_size] + [(1, 2)]
     return target, draft
 
 
@@ -118,14 +135,15 @@ def calibrate(target, draft, batch_size: int, k_max: int, context: int, vocab: i
     """Time the grid's shapes, most useful first, until the budget is spent (at least the first two of
     each model). Three repeats per shape, one if the forwards are slow. Warm-ups do not count against the
     budget: with compile=True the first forward of a new shape compiles, which is not what a step costs."""
-    t_grid, d_grid = grid(batch_size, k_max)
+    t_grid, d_grid = grid(batch_size, k_max, context)
     tables: dict[str, dict[int, float]] = {"target": {}, "draft": {}}
     start, excluded = time.perf_counter(), 0.0
-    plan = [("target", target, s, "all") for s in t_grid[:2]] + [("draft", draft, s, "last") for s in d_grid[:2]]
-    plan += [("target", target, s, "all") for s in t_grid[2:]] + [("draft", draft, s, "last") for s in d_grid[2:]]
+    plan = [("target", target, s, "all") for s in t_grid[:2]] + [("draft", draft, s, "last") for s in d_grid[:3]]
+    first = len(plan)  # always timed
+    plan += [("target", target, s, "all") for s in t_grid[2:]] + [("draft", draft, s, "last") for s in d_grid[3:]]
     for i, (name, model, (rows, T), logits) in enumerate(plan):
         spent = time.perf_counter() - start - excluded
-        if i >= 4 and spent > budget_s:
+        if i >= first and spent > budget_s:
             break
         repeats = 3 if spent < budget_s / 2 else 1
         m = rows * T
@@ -195,8 +213,8 @@ def forward_variant(model) -> str:
 def cache_key(target_id: str, draft_id: str, dtype, device, batch_size: int, k_max: int, context: int,
               variant: str = "eager") -> str:
     context_bucket = 1 << max(context - 1, 1).bit_length()  # costs are cached per power-of-two context
-    return (f"{target_id}/{draft_id}/{dtype}/{torch.device(device).type}/threads={torch.get_num_threads()}/"
-            f"{variant}/B={batch_size}/k={k_max}/ctx={context_bucket}")
+    return (f"v{COST_MODEL_VERSION}/{target_id}/{draft_id}/{dtype}/{torch.device(device).type}/"
+            f"threads={torch.get_num_threads()}/{variant}/B={batch_size}/k={k_max}/ctx={context_bucket}")
 
 
 def load_costs(path: str, key: str) -> CostTable | None:
@@ -245,7 +263,8 @@ class KChooser:
         self.explore_every = explore_every
         self.pooled = [prior * 4.0, 4.0]  # [accepted, offered] over the run (decayed slowly)
         self.offered = 0  # drafts offered so far: until some are, the prior alone must not switch drafting off
-        self.residual: dict[tuple[int, int], float] = {}  # (B, k) -> EMA of (measured - forwards) seconds
+        self.scale: dict[tuple[int, bool], float] = {}  # (B, k > 0) -> median of the recent measured / forwards
+        self.scale_samples: dict[tuple[int, bool], deque] = {}
         self.stats: dict[int, list[float]] = {}  # id(request) -> [accepted, offered]
         self.zero_streak = 0
         self.last = (0, 0, 2, 0.0)  # the last choice: (B, k, first draft tokens, predicted seconds)
@@ -258,18 +277,25 @@ class KChooser:
         return min(max((accepted + self.prior_weight * pooled) / (offered + self.prior_weight), 0.0), 0.999)
 
     def step_time(self, B: int, k: int, first_draft_tokens: int = 2) -> float:
-        forwards = self.costs.forwards_time(B, k, first_draft_tokens)
-        return max(forwards + self._residual(B, k), 1e-9)
+        return max(self.costs.forwards_time(B, k, first_draft_tokens) * self._scale(B, k), 1e-9)
 
-    def _residual(self, B: int, k: int) -> float:
-        """The learned non-forward time of a step; unseen (B, k) borrow from the nearest seen step of the
-        same kind (speculative or not), 0 before any."""
-        if (B, k) in self.residual:
-            return self.residual[(B, k)]
-        seen = [(b, kk) for (b, kk) in self.residual if (kk == 0) == (k == 0)]
-        if not seen:
-            return 0.0
-        return self.residual[min(seen, key=lambda key: (abs(key[0] - B) + abs(key[1] - k), key))]
+    def _scale(self, B: int, k: int) -> float:
+        """Measured step time over the forwards' predicted time, learned online: the rest of the step
+        (sampling, acceptance, bookkeeping) and the table's own error (a calibration on a busier or
+        quieter machine is off by a factor for every shape). One value per B for every k > 0 and one for
+        k = 0 (the forwards carry k; learned per k, a few noisy early steps made one k look cheap for good);
+        the median of the last SCALE_WINDOW steps (one step slowed by another process must not hold the
+        chooser at k = 0, where the speculative scale is no longer measured). Unseen: the nearest seen B
+        of the same kind, else of the other kind (a table measured 5x too slow must not keep drafting off
+        before a single draft was measured), else 1."""
+        kind = k > 0
+        if (B, kind) in self.scale:
+            return self.scale[(B, kind)]
+        for wanted in (kind, not kind):
+            seen = [b for (b, s) in self.scale if s == wanted]
+            if seen:
+                return self.scale[(min(seen, key=lambda b: (abs(b - B), b)), wanted)]
+        return 1.0
 
     @staticmethod
     def expected_tokens(alphas: list[float], k: int) -> float:
@@ -284,29 +310,50 @@ class KChooser:
         rates = self.rates(alphas, B, first_draft_tokens)
         return max(range(least, self.k_max + 1), key=lambda k: (rates[k], -k))
 
+    def pays_back(self, alphas: list[float], B: int, k: int, first_draft_tokens: int, tokens: int) -> bool:
+        """Whether drafting at k (steady state) produces `tokens` tokens sooner than k = 0 by more than the
+        one-off cost of catching the draft up on `first_draft_tokens` per row, if `alphas` are the rows'
+        acceptances."""
+        rate_0 = self.expected_tokens(alphas, 0) / self.step_time(B, 0)
+        rate_k = self.expected_tokens(alphas, k) / self.step_time(B, k)
+        catch_up = self.costs.forwards_time(B, k, first_draft_tokens) - self.costs.forwards_time(B, k)
+        if catch_up <= 0:
+            return rate_k > rate_0
+        return tokens / rate_0 - tokens / rate_k > catch_up
+
+    @property
+    def drafting(self) -> bool:
+        """Whether the last step drafted (new rows then get their draft prefilled at once)."""
+        return self.last[1] > 0
+
     # ------------------------------------------------------------------------------------- choice
     def choose(self, batch) -> int:
         B = len(batch)
         first = max(s - n for s, n in zip(batch.host_seq_len, batch.draft_cache.host_length))
         alphas = [self.alpha(r) for r in batch.requests]
-        k = self.best_k(alphas, B, first)
+        left = sum(max(r.params.max_tokens - len(r.output_ids), 1) for r in batch.requests)  # at most
+        k = self.best_k(alphas, B)  # at steady state: a catch-up is paid once, weighed next
+        if k and first > 2 and not self.pays_back(alphas, B, k, first, left):
+            k = 0
         if k == 0:
             self.zero_streak += 1
             if self.offered < 4 * self.k_max or self.zero_streak >= self.explore_every:  # measure acceptance first,
-                # then refresh the estimates now and then
-                k = self.best_k(alphas, B, first, least=1)
+                # then refresh the estimates now and then; only where a good draft could pay for it
+                hopeful = [max(a, EXPLORE_ACCEPTANCE) for a in alphas]
+                if self.pays_back(hopeful, B, self.best_k(hopeful, B, least=1), first, left):
+                    k = self.best_k(alphas, B, least=1)
         if k:
             self.zero_streak = 0
         self.last = (B, k, first, self.step_time(B, k, first))
         return k
 
     def observe(self, seconds: float) -> float:
-        """The last chosen step's measured wall time refines the non-forward part of the cost model.
-        Returns the time that was predicted for it."""
+        """The last chosen step's measured wall time refines the cost model's scale (`_scale`). Returns the
+        time that was predicted for it."""
         B, k, first_draft_tokens, predicted = self.last
-        r = seconds - self.costs.forwards_time(B, k, first_draft_tokens)
-        old = self.residual.get((B, k))
-        self.residual[(B, k)] = r if old is None else 0.7 * old + 0.3 * r
+        samples = self.scale_samples.setdefault((B, k > 0), deque(maxlen=SCALE_WINDOW))
+        samples.append(seconds / max(self.costs.forwards_time(B, k, first_draft_tokens), 1e-9))
+        self.scale[(B, k > 0)] = statistics.median(samples)
         return predicted
 
     def record_acceptance(self, requests, k: int, counts: list[int]) -> None:
@@ -323,6 +370,7 @@ class KChooser:
         """Per-request state belongs to one `generate` call (request ids are reused afterwards)."""
         self.stats.clear()
         self.zero_streak = 0
+        self.last = (0, 0, 2, 0.0)  # not drafting: the first prefill leaves the draft for the chooser
 
 
 def make_chooser(llm) -> KChooser:

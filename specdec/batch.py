@@ -7,10 +7,11 @@ emitted tokens):
   gathered from there: nothing is rebuilt from Python lists per step);
 - the target cache holds s[:-1] (`length = len(s) - 1`): the last token, already emitted, is fed next;
 - the draft cache holds a prefix s[:len(s) - lag] with lag >= 2 (2 after a speculative step, one more
-  after each step that did not run the draft, k = 0). A speculative step's first draft forward feeds the
-  last T = max(lag) tokens of every row, re-writing the columns of tokens it already holds (identical
-  K/V), so one uniform forward covers every row whatever its lag, and the draft is always in step even
-  when all k drafts were accepted (the k-th draft is proposed but never fed through the draft).
+  after each step that did not run the draft, k = 0; the whole sequence when the draft's prefill was
+  deferred, see `DecodeContext.prefill_draft`). A speculative step's first draft forward feeds the last
+  T = max(lag) tokens of every row, re-writing the columns of tokens it already holds (identical K/V),
+  so one uniform forward covers every row whatever its lag, and the draft is always in step even when
+  all k drafts were accepted (the k-th draft is proposed but never fed through the draft).
 
 The host mirrors what it needs to plan a step -- the rows' sequence lengths (from the requests), cache
 lengths and starts (`KVCache.host_*`), which rows are greedy -- so a step never reads the device to plan
@@ -60,6 +61,14 @@ class DecodeContext:
     @property
     def kernel_backend(self) -> str | None:
         return self.options.kernel_backend
+
+    @property
+    def prefill_draft(self) -> bool:
+        """Whether a prefill fills the new rows' draft caches too. Always with a fixed k; with auto k only
+        while the chooser is drafting: a run that stays at k = 0 never runs the draft, and one that starts
+        drafting later has the draft catch up on each row's whole sequence in its first draft forward
+        (the lag mechanism above), which the chooser prices before it decides."""
+        return self.chooser is None or self.chooser.drafting
 
     def step_done(self, rows: int, started: float) -> None:
         """A strategy's step (of `rows` rows, begun at perf_counter() `started`) has ended: its wall time
@@ -195,11 +204,14 @@ def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: 
     target_cache, logits = run(ctx.target)
     ctx.metrics.target_forwards += 1
     draft_cache = None
-    if ctx.draft is not None:
+    if ctx.draft is not None and ctx.prefill_draft:
         draft_cache, _ = run(ctx.draft)
         # the draft lags by two tokens (see module docstring): the last prompt token is fed again next step
         draft_cache.set_rows(length=draft_cache.length - 1, host_length=[n - 1 for n in lengths])
         ctx.metrics.draft_forwards += 1
+    elif ctx.draft is not None:  # deferred: an empty draft cache, the whole sequence is its lag
+        draft_cache = ctx.new_cache(ctx.draft, len(requests), capacity, layout)
+        draft_cache.set_prefill(lengths, width)
     batch = Batch(list(requests), target_cache, draft_cache, tokens.to(device),
                   torch.tensor(lengths, dtype=torch.int64, device=device), row_params(requests, device))
     first = choose_tokens(logits, batch.params, ctx.probs_dtype)  # [B]

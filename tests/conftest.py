@@ -1,7 +1,11 @@
-"""Test-wide settings: Triton kernels run under the interpreter on CPU, invariant checks are on."""
+"""Test-wide settings: Triton kernels run under the interpreter on CPU, invariant checks are on, caches in a
+temporary directory."""
 import os
+import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# auto k's cost cache (and anything else under the cache home) stays out of the user's home directory
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specdec-tests-cache-")
 os.environ.setdefault("SPECDEC_CHECK_INVARIANTS", "1")
 
 import torch  # noqa: E402

@@ -22,6 +22,19 @@ def linear_costs(target_fixed, target_per_token, draft_fixed, draft_per_token, m
                      {m: draft_fixed + draft_per_token * m for m in ms})
 
 
+class FakeBatch:
+    """What the chooser reads of a batch: rows' sequence lengths, the draft's cached lengths, requests."""
+
+    def __init__(self, seq_len, draft_length, tokens_left):
+        self.host_seq_len = seq_len
+        self.draft_cache = type("Cache", (), {"host_length": draft_length})()
+        self.requests = [type("R", (), {"params": SamplingParams(max_tokens=n), "output_ids": []})()
+                         for n in tokens_left]
+
+    def __len__(self):
+        return len(self.host_seq_len)
+
+
 def test_k_rises_with_acceptance():
     chooser = KChooser(8, linear_costs(10e-3, 0.1e-3, 1e-3, 0.01e-3))  # bandwidth-bound target, cheap draft
     ks = [chooser.best_k([alpha] * 4, B=4) for alpha in (0.05, 0.3, 0.6, 0.8, 0.95)]
@@ -51,12 +64,36 @@ def test_acceptance_estimates_follow_each_request():
     assert chooser.alpha(bad) < chooser.alpha(fresh) < chooser.alpha(good)
 
 
-def test_residual_learns_the_rest_of_the_step():
+def test_step_time_learns_its_scale_online():
     chooser = KChooser(4, linear_costs(10e-3, 0.0, 1e-3, 0.0))
+    spec = chooser.costs.forwards_time(2, 3)
     chooser.last = (2, 3, 2, 0.0)
     for _ in range(20):
-        chooser.observe(chooser.costs.forwards_time(2, 3) + 5e-3)
-    assert chooser.step_time(2, 3) == pytest.approx(chooser.costs.forwards_time(2, 3) + 5e-3, rel=1e-3)
+        chooser.observe(1.5 * spec)
+    assert chooser.step_time(2, 3) == pytest.approx(1.5 * spec)
+    # one factor for every k > 0 (the forwards carry k); k = 0, unseen, borrows it
+    assert chooser.step_time(2, 1) == pytest.approx(1.5 * chooser.costs.forwards_time(2, 1))
+    assert chooser.step_time(2, 0) == pytest.approx(1.5 * chooser.costs.forwards_time(2, 0))
+    chooser.last = (2, 0, 2, 0.0)
+    chooser.observe(1.2 * chooser.costs.forwards_time(2, 0))
+    assert chooser.step_time(2, 0) == pytest.approx(1.2 * chooser.costs.forwards_time(2, 0))
+    # a step slowed down by another process (here 0.5 s) does not move the estimate: no lock-in at k = 0
+    chooser.last = (2, 3, 2, 0.0)
+    chooser.observe(spec + 0.5)
+    assert chooser.step_time(2, 3) == pytest.approx(1.5 * spec)
+
+
+def test_a_table_measured_on_a_busy_machine_does_not_keep_drafting_off():
+    """A cost table 5x too slow (calibrated while another job ran): the k = 0 steps' wall times correct
+    it, and the correction is borrowed for k > 0 before any draft was measured, so the chooser drafts."""
+    fast = linear_costs(10e-3, 0.05e-3, 1e-3, 0.01e-3)
+    slow = CostTable({m: 5 * t for m, t in fast.target.items()}, {m: 5 * t for m, t in fast.draft.items()})
+    chooser = KChooser(5, slow)
+    chooser.offered = 100  # acceptance measured already: no exploring
+    chooser.last = (4, 0, 2, 0.0)
+    for _ in range(3):
+        chooser.observe(fast.forwards_time(4, 0))
+    assert chooser.choose(FakeBatch([40] * 4, [38] * 4, [64] * 4)) >= 1
 
 
 def test_cost_table_interpolates_and_extrapolates():
@@ -178,3 +215,50 @@ def test_auto_k_equals_ar(pair, reference, method):
     assert [o.token_ids for o in outs] == expected
     m = outs.metrics
     assert sum(m.k_histogram.values()) == m.steps and m.measured_step_s > 0 and m.predicted_step_s > 0
+
+
+def test_no_exploration_where_even_a_good_draft_cannot_pay():
+    """Before any draft was offered the chooser explores, but not where a draft accepting 0.8 of the time
+    would still lose to k = 0: there the draft never runs (its prefill is deferred) and the run is AR."""
+    compute_bound = KChooser(5, linear_costs(1e-3, 1e-3, 0.5e-3, 0.1e-3))
+    assert compute_bound.choose(FakeBatch([40] * 8, [0] * 8, [64] * 8)) == 0
+    assert compute_bound.choose(FakeBatch([40] * 8, [38] * 8, [64] * 8)) == 0  # warm or cold
+    assert not compute_bound.drafting
+    bandwidth_bound = KChooser(5, linear_costs(10e-3, 0.05e-3, 1e-3, 0.01e-3))
+    assert bandwidth_bound.choose(FakeBatch([40] * 8, [0] * 8, [64] * 8)) >= 1 and bandwidth_bound.drafting
+
+
+def test_a_draft_catch_up_is_paid_only_if_the_tokens_left_repay_it():
+    """A cold draft must first read each row's whole sequence: worth it over 200 tokens, not over 2."""
+    costs = linear_costs(10e-3, 0.01e-3, 1e-3, 0.5e-3, m_max=4096)  # the draft's long forward is dear
+    long_run, short_run = KChooser(5, costs), KChooser(5, costs)
+    for chooser in (long_run, short_run):
+        chooser.offered = 100  # acceptance already measured: no exploring
+        chooser.pooled = [0.8 * 100, 100]
+    assert long_run.choose(FakeBatch([100] * 4, [0] * 4, [200] * 4)) >= 1
+    assert short_run.choose(FakeBatch([100] * 4, [0] * 4, [2] * 4)) == 0
+    assert short_run.choose(FakeBatch([100] * 4, [98] * 4, [2] * 4)) >= 1  # warm: nothing to repay
+
+
+class GivenCostChooser(KChooser):
+    """Decides from the given costs alone: the steps' wall times on this machine (the tiny pair's real
+    costs) are not learned into the model."""
+
+    def observe(self, seconds: float) -> float:
+        return self.last[3]
+
+
+@pytest.mark.parametrize("method", ["eqspec", "ragged", "exspec"])
+def test_draft_never_runs_where_speculation_cannot_pay_and_catches_up_where_it_can(pair, reference, method):
+    prompts, expected = reference
+    for costs, drafts in ((linear_costs(1e-3, 1e-3, 0.5e-3, 0.1e-3), False),
+                          (linear_costs(10e-3, 0.05e-3, 1e-3, 0.01e-3, m_max=4096), True)):
+        llm = LLM(*pair, method=method, num_speculative_tokens="auto", max_speculative_tokens=5, batch_size=4,
+                  dtype="float64", check_invariants=True, cost_cache="")
+        llm.chooser = GivenCostChooser(5, costs)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+        assert [o.token_ids for o in outs] == expected
+        m = outs.metrics
+        assert (m.draft_forwards > 0) == drafts and (m.proposed_drafts > 0) == drafts, (m.draft_forwards, drafts)
+        if not drafts:
+            assert set(m.k_histogram) == {0}, m.k_histogram  # every step was an AR step
