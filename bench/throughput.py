@@ -520,10 +520,12 @@ def replot(args) -> None:
     """Re-render the markdown and plots of one run's JSONL, or of several runs of one sweep split over
     batch sizes (comma-separated JSONL files: rows concatenated, batch sizes merged, the first run's header)."""
     paths = args.replot.split(",")
-    records = []
+    records, commands = [], []
     for path in paths:
         with open(path) as f:
-            records += [json.loads(line) for line in f if line.strip()]
+            run = [json.loads(line) for line in f if line.strip()]
+        records += run
+        commands.append(run[0]["meta"]["command"])
     meta = records[0]["meta"]
     rows = [{k: v for k, v in r.items() if k != "meta"} for r in records]
     for key in ("batch_sizes", "methods", "num_speculative_tokens", "max_tokens", "dtype", "device"):
@@ -531,7 +533,7 @@ def replot(args) -> None:
     args.batch_sizes = sorted({r["batch_size"] for r in rows})
     if len(paths) > 1:
         rows.sort(key=lambda r: r["batch_size"])  # stable: each run's method order kept
-        meta = dict(meta, command=" ; ".join(json.loads(open(p).readline())["meta"]["command"] for p in paths))
+        meta = dict(meta, command=" ; ".join(commands))
     if not args.out_given:
         args.out = os.path.dirname(os.path.abspath(paths[0]))
     os.makedirs(args.out, exist_ok=True)

@@ -139,11 +139,11 @@ def calibrate(target, draft, batch_size: int, k_max: int, context: int, vocab: i
     tables: dict[str, dict[int, float]] = {"target": {}, "draft": {}}
     start, excluded = time.perf_counter(), 0.0
     plan = [("target", target, s, "all") for s in t_grid[:2]] + [("draft", draft, s, "last") for s in d_grid[:3]]
-    first = len(plan)  # always timed
+    required = len(plan)  # always timed, whatever the budget
     plan += [("target", target, s, "all") for s in t_grid[2:]] + [("draft", draft, s, "last") for s in d_grid[3:]]
     for i, (name, model, (rows, T), logits) in enumerate(plan):
         spent = time.perf_counter() - start - excluded
-        if i >= first and spent > budget_s:
+        if i >= required and spent > budget_s:
             break
         repeats = 3 if spent < budget_s / 2 else 1
         m = rows * T

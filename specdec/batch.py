@@ -195,9 +195,13 @@ def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: 
             ids[i, : lengths[i]] = prompt
     ids = ids.to(device)
 
-    def run(model):
+    def empty_cache(model):
         cache = ctx.new_cache(model, len(requests), capacity, layout)
         cache.set_prefill(lengths, width)
+        return cache
+
+    def run(model):
+        cache = empty_cache(model)
         logits = model.forward(ids, cache, num_new=lengths, logits="last")[:, -1, : ctx.vocab_size]  # [B, V]
         return cache, logits
 
@@ -210,8 +214,7 @@ def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: 
         draft_cache.set_rows(length=draft_cache.length - 1, host_length=[n - 1 for n in lengths])
         ctx.metrics.draft_forwards += 1
     elif ctx.draft is not None:  # deferred: an empty draft cache, the whole sequence is its lag
-        draft_cache = ctx.new_cache(ctx.draft, len(requests), capacity, layout)
-        draft_cache.set_prefill(lengths, width)
+        draft_cache = empty_cache(ctx.draft)
     batch = Batch(list(requests), target_cache, draft_cache, tokens.to(device),
                   torch.tensor(lengths, dtype=torch.int64, device=device), row_params(requests, device))
     first = choose_tokens(logits, batch.params, ctx.probs_dtype)  # [B]
