@@ -4,6 +4,8 @@
 """
 from setuptools import setup
 
+SERVE = ["fastapi>=0.100", "uvicorn>=0.23", "prometheus-client>=0.17", "pydantic>=2"]
+
 setup(
     name="specdec",
     version="0.1.0",
@@ -11,7 +13,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["specdec", "specdec.strategies", "specdec.kernels", "specdec.models"],
+    packages=["specdec", "specdec.strategies", "specdec.serve", "specdec.kernels", "specdec.models"],
     package_dir={
         "specdec": "specdec",
         "specdec.strategies": "specdec/strategies",
@@ -29,9 +31,15 @@ setup(
         "numpy",
     ],
     extras_require={
+        # `python -m specdec.serve` (docs/serve.md); tests/test_serve.py drives it with the openai client
+        "serve": SERVE,
         "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=4.51", "protobuf", "jinja2", "matplotlib",
-                 "ray[data]==2.60.0"],
+                 "gguf>=0.10", "accelerate",
+                 "ray[data]==2.60.0", *SERVE, "openai>=1.0", "httpx>=0.24"],
         "bench": ["matplotlib", "pytest-benchmark"],
+        # GGUF files (load_model / load_tokenizer on a .gguf, python -m specdec.convert): the gguf reader's
+        # dequantizers; jinja2 renders the chat template the file carries
+        "gguf": ["gguf>=0.10", "jinja2"],
         # --ray (docs/distributed.md): Ray Data brings pandas and pyarrow; tested with 2.60.0, and 2.64
         # removes the `ray_remote_args` that sets a block's retry budget
         "ray": ["ray[data]>=2.60,<2.64"],

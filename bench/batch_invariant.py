@@ -1,10 +1,10 @@
 """Batch-invariant numerics (`LLM(batch_invariant=True)`): what it fixes, what it costs.
 
-    python bench/batch_invariant.py probe                 # which torch CPU ops are batch-invariant here, per dtype
-    nice python bench/batch_invariant.py equivalence      # greedy spec == AR@1 on SpecBench, mode off and on
-    python bench/batch_invariant.py equivalence --prompts tests/data/spec_bench_64.jsonl --max-prompt-tokens 64 \
+    python -m bench.batch_invariant probe                 # which torch CPU ops are batch-invariant here, per dtype
+    nice python -m bench.batch_invariant equivalence      # greedy spec == AR@1 on SpecBench, mode off and on
+    python -m bench.batch_invariant equivalence --prompts tests/data/spec_bench_64.jsonl --max-prompt-tokens 64 \
         --max-tokens 16 --dtypes bfloat16   # the CI slice (tests/test_batch_invariant.py), mode off and on
-    nice python bench/batch_invariant.py cost             # tokens/s with the mode on vs off, both pairs
+    nice python -m bench.batch_invariant cost             # tokens/s with the mode on vs off, both pairs
 
 equivalence: SpecBench's 480 first turns (/work/shared/data/spec_bench/question.jsonl, or --prompts), tokenized
 by the default pair's tokenizer and cut to the first `context - max_tokens - k - 1` tokens (the default pair's
@@ -24,8 +24,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
-import random
 import statistics
 import sys
 import time
@@ -33,22 +31,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # `bench.pairs`
+from bench.common import REPO, command_line, fmt_spread, interleave, machine_line, pair_dirs, random_prompts
 
 SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
-DEFAULT_OUT = os.path.join(ROOT, "bench", "results", "batch_invariant")
+DEFAULT_OUT = os.path.join(REPO, "bench", "results", "batch_invariant")
 SPEC_METHODS = ("eqspec", "ragged", "exspec")
 
 
 def log(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
-
-
-def machine() -> str:
-    load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
-    return (f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-            f"{torch.get_num_threads()} torch thread(s), load average {load[0]:.1f} at start")
 
 
 def file_sha(path: str) -> str:
@@ -208,7 +199,7 @@ def equivalence(args) -> dict:
             "draft_sha256": file_sha(os.path.join(draft, "model.safetensors")), "prompts": args.prompts,
             "num_prompts": len(ids), "max_prompt_tokens": max_prompt,
             "prompts_cut": cut,
-            "max_tokens": args.max_tokens, "k": args.k, "batch_size": args.batch_size, "machine": machine(),
+            "max_tokens": args.max_tokens, "k": args.k, "batch_size": args.batch_size, "machine": machine_line(),
             "runs": []}
     for dtype in args.dtypes:
         for mode in args.modes:
@@ -253,32 +244,21 @@ def equivalence_table(info: dict) -> str:
 COST_CONFIGS = (("ar", 1), ("ar", 8), ("eqspec", 8), ("ragged", 8), ("exspec", 8))
 
 
-def random_ids(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 64))] for _ in range(n)]
-
-
 def cost(args) -> dict:
     from specdec import LLM, SamplingParams
     from specdec.models import load_model, load_tokenizer
-    from specdec.prompts import DEFAULT_DRAFT, DEFAULT_TARGET
 
-    info = {"machine": machine(), "rounds": args.rounds, "max_tokens": args.max_tokens, "k": args.k, "cells": []}
+    info = {"machine": machine_line(), "rounds": args.rounds, "max_tokens": args.max_tokens, "k": args.k, "cells": []}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for pair in args.pairs:
+        target, draft = pair_dirs(pair)
+        with open(os.path.join(target, "config.json")) as f:
+            config = json.load(f)
         if pair == "default":
-            target, draft = DEFAULT_TARGET, DEFAULT_DRAFT
-            with open(os.path.join(target, "config.json")) as f:
-                context = json.load(f)["max_position_embeddings"]
             prompts, _ = specbench_ids(args.prompts, load_tokenizer(target), args.cost_prompts,
-                                       context - args.max_tokens - args.k - 1)
+                                       config["max_position_embeddings"] - args.max_tokens - args.k - 1)
         else:
-            from bench.pairs import build_synthetic_pair
-
-            target, draft = build_synthetic_pair(os.path.join(ROOT, "bench", "results", "pair"))
-            with open(os.path.join(target, "config.json")) as f:
-                vocab = json.load(f)["vocab_size"]
-            prompts = random_ids(args.cost_prompts, vocab)
+            prompts = random_prompts(args.cost_prompts, config["vocab_size"])
         for dtype in args.dtypes:
             engines = {}
             for mode in (False, True):
@@ -291,15 +271,14 @@ def cost(args) -> dict:
             for key, llm in engines.items():  # warm-up (and oneDNN weight packing) outside the timing
                 llm.generate(prompt_token_ids=prompts[:2],
                              sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
-            times = {key: [] for key in engines}
-            for rnd in range(args.rounds):
-                for method, batch in COST_CONFIGS:
-                    n = args.cost_prompts_b1 if batch == 1 else len(prompts)
-                    for mode in ((False, True) if rnd % 2 == 0 else (True, False)):
-                        outs = engines[mode, method, batch].generate(prompt_token_ids=prompts[:n],
-                                                                     sampling_params=params)
-                        times[mode, method, batch].append(outs.metrics.tokens_per_s)
-                log(f"[cost] {pair} {dtype} round {rnd + 1}/{args.rounds} done")
+            times = {}
+            for method, batch in COST_CONFIGS:  # off and on interleaved, the order alternating per round
+                n = args.cost_prompts_b1 if batch == 1 else len(prompts)
+                times |= {(mode, method, batch): runs for mode, runs in interleave({
+                    mode: lambda llm=engines[mode, method, batch], n=n: llm.generate(
+                        prompt_token_ids=prompts[:n], sampling_params=params).metrics.tokens_per_s
+                    for mode in (False, True)}, args.rounds, warmup=0).items()}
+                log(f"[cost] {pair} {dtype} {method}@{batch}: {args.rounds} rounds done")
             for method, batch in COST_CONFIGS:
                 off, on = times[False, method, batch], times[True, method, batch]
                 ratios = [a / b for a, b in zip(off, on)]
@@ -315,12 +294,12 @@ def cost(args) -> dict:
 
 
 def cost_table(info: dict) -> str:
-    lines = ["| pair | dtype | method @ batch | tokens/s off | tokens/s on | slowdown (off/on) | spread |",
-             "|---|---|---|---:|---:|---:|---|"]
+    lines = ["| pair | dtype | method @ batch | tokens/s off | tokens/s on | slowdown (off/on), median (min–max) |",
+             "|---|---|---|---:|---:|---|"]
     for c in info["cells"]:
+        slowdown = {"median": c["slowdown"], "min": c["slowdown_min"], "max": c["slowdown_max"]}
         lines.append(f"| {c['pair']} | {c['dtype']} | {c['method']} @ {c['batch_size']} | "
-                     f"{c['tokens_per_s_off']:.1f} | {c['tokens_per_s_on']:.1f} | {c['slowdown']:.2f}x | "
-                     f"{c['slowdown_min']:.2f}-{c['slowdown_max']:.2f} |")
+                     f"{c['tokens_per_s_off']:.1f} | {c['tokens_per_s_on']:.1f} | {fmt_spread(slowdown, '{:.2f}')}x |")
     return "\n".join(lines)
 
 
@@ -352,12 +331,12 @@ def main(argv=None) -> int:
     args.pairs = [x for x in args.pairs.split(",") if x]
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
-    command = "python bench/batch_invariant.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("bench.batch_invariant", argv)
     t0 = time.perf_counter()
     if args.what == "probe":
         result, table = probe(args), None
         table = probe_table(result)
-        result = {"machine": machine(), "table": table}
+        result = {"machine": machine_line(), "table": table}
     elif args.what == "equivalence":
         result = equivalence(args)
         table = equivalence_table(result)

@@ -11,6 +11,9 @@ realign: target cache [L, B, 8, C, 128] + draft cache [L/2, B, 8, C, 64] (a Llam
 bfloat16, rows shifted by delta in [-k, k] (k = 4, one row unmoved). `extra_info`: `payload_bytes` (bytes of the
 moved columns), `gbps` = 2 * payload / time (read + write) and `copy_gbps`, the same for a plain
 `dst.copy_(src)` of `payload_bytes` on the same device: the ceiling the kernel is compared against.
+
+noise: a step's race noise [B, k+1, V] float32 keyed by (seed, position) (Philox: the Triton kernel on CUDA,
+its torch reference on CPU) next to `torch.empty(...).exponential_()` of the same shape.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import time
 import pytest
 import torch
 
+from specdec.kernels import noise as nse
 from specdec.kernels import realign as rea
 from specdec.kernels import rejection as rej
 
@@ -173,6 +177,34 @@ def test_rejection(benchmark, batch, k, vocab, mode):
         ref_s = _time(lambda: rej.rejection_sample(**kw, backend="torch"))
         extra.update(reference_ms=ref_s * 1e3, speedup_vs_reference=ref_s / seconds)
     benchmark.extra_info.update(extra)
+
+
+# ------------------------------------------------------------------------------------------- noise
+# A speculative step's race noise: [B, k+1, V] Exp(1) keyed by (seed, position) (kernels/noise.py), the
+# Philox kernel (CUDA) or its torch reference (CPU), next to `torch.empty(...).exponential_()` of the same
+# shape, the stream-based draw it replaced (`extra_info["impl"]`).
+NOISE_BATCHES = (1, 8) if QUICK else (1, 8, 32)
+NOISE_K = (5,)
+NOISE_VOCAB = (4000, 32000) if QUICK else (4000, 32000, 151936)
+
+
+@pytest.mark.parametrize("impl", ("philox", "torch_exponential"))
+@pytest.mark.parametrize("vocab", NOISE_VOCAB)
+@pytest.mark.parametrize("k", NOISE_K)
+@pytest.mark.parametrize("batch", NOISE_BATCHES)
+def test_noise(benchmark, batch, k, vocab, impl):
+    seeds = torch.arange(batch, dtype=torch.int64, device=DEVICE) * 7919 - 3
+    positions = torch.arange(batch, dtype=torch.int64, device=DEVICE) * 13 + 100
+    if impl == "philox":
+        fn = lambda: nse.exponential_noise(seeds, positions, k + 1, vocab, nse.RACE, torch.float32,  # noqa: E731
+                                           backend=PATH)
+    else:
+        fn = lambda: torch.empty(batch, k + 1, vocab, device=DEVICE).exponential_()  # noqa: E731
+    seconds = _run(benchmark, fn)
+    written = batch * (k + 1) * vocab * 4  # the float32 noise
+    benchmark.extra_info.update(path=PATH if impl == "philox" else "torch", device=DEVICE, impl=impl,
+                                threads=torch.get_num_threads(), batch=batch, k=k, vocab=vocab,
+                                bytes_written=written, gbps=written / seconds / 1e9)
 
 
 # ------------------------------------------------------------------------ batch-invariant linear / attention

@@ -22,30 +22,23 @@ One repeat = ray.init (timed), the empty job, the ray job, ray.shutdown, then th
 - the share of requests whose tokens equal the single run's (float32: block composition differs, so
   near-tied logits may flip; float64 is exact, see tests/test_distributed.py).
 
-    python bench/distributed.py                                  # default pair, 64 prompts x 64 tokens, 3 repeats
-    python bench/distributed.py --num-prompts 128 --repeats 5 --out /tmp/distributed.json
+    python -m bench.distributed                                  # default pair, 64 prompts x 64 tokens, 3 repeats
+    python -m bench.distributed --num-prompts 128 --repeats 5 --out /tmp/distributed.json
 """
 from __future__ import annotations
 
+import argparse
+import json
+import logging
 import os
+import sys
+import time
 
-# Small per-token forwards on a shared, oversubscribed CPU are far slower with OpenMP's spin-waiting
-# (as in bench/throughput.py); Ray's replicas inherit this from the local instance started here.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import platform  # noqa: E402
-import shlex  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-import torch  # noqa: E402
-
-from specdec import LLM, SamplingParams, distributed  # noqa: E402
-from specdec.prompts import DEFAULT_DRAFT, DEFAULT_PROMPTS, DEFAULT_TARGET, read_prompts  # noqa: E402
+from bench.common import command_line, fmt_spread, machine_line
+from specdec import LLM, SamplingParams, distributed
+from specdec.prompts import DEFAULT_DRAFT, DEFAULT_PROMPTS, DEFAULT_TARGET, read_prompts
 
 
 def parse_args(argv=None):
@@ -121,16 +114,13 @@ def one_repeat(ray, args, prompts: list[str]) -> dict:
     }
 
 
-def spread(values: list[float], fmt: str = "{:.1f}") -> str:
-    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     ray = distributed.import_ray()
     base = read_prompts(DEFAULT_PROMPTS)
     prompts = [base[i % len(base)] for i in range(args.num_prompts)]
-    command = "python bench/distributed.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = command_line("bench.distributed", argv)
+    started = machine_line()
     load_before = os.getloadavg()
     repeats = []
     for r in range(args.repeats):
@@ -148,26 +138,25 @@ def main(argv=None) -> int:
     print(f"{args.num_prompts} prompts x {args.max_tokens} new tokens (ignore_eos), {args.method}, batch "
           f"{args.batch_size}, k {args.num_speculative_tokens}, {args.dtype}; pair {args.target} / {args.draft}; "
           f"Ray blocks of {args.block_size} prompts; {args.repeats} repeats, median (min-max). "
-          f"torch {torch.__version__}, ray {ray.__version__}, Python {platform.python_version()}, "
-          f"{os.cpu_count()} CPUs; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after.\n")
+          f"ray {ray.__version__}; {started}, {load_after[0]:.1f} after.\n")
     print("| | tokens/s | ratio to 1 process x 2 threads (same repeat) |")
     print("|---|---|---|")
-    print(f"| 1 process x 2 threads (generate) | {spread(col('single_tps'))} | 1 |")
-    print(f"| 1 process x 2 threads (load + generate) | {spread(col('single_tps_with_load'))} | |")
-    print(f"| 2 Ray replicas x 1 thread, end to end (job wall) | {spread(col('ray_tps'))} | "
-          f"{spread(ratio_e2e, '{:.2f}')} |")
+    print(f"| 1 process x 2 threads (generate) | {fmt_spread(col('single_tps'))} | 1 |")
+    print(f"| 1 process x 2 threads (load + generate) | {fmt_spread(col('single_tps_with_load'))} | |")
+    print(f"| 2 Ray replicas x 1 thread, end to end (job wall) | {fmt_spread(col('ray_tps'))} | "
+          f"{fmt_spread(ratio_e2e, '{:.2f}')} |")
     print(f"| 2 Ray replicas x 1 thread, while decoding (tokens / replicas' generate time) | "
-          f"{spread(col('ray_decode_tps'))} | {spread(ratio_decode, '{:.2f}')} |")
+          f"{fmt_spread(col('ray_decode_tps'))} | {fmt_spread(ratio_decode, '{:.2f}')} |")
     print()
     print("| Ray start-up | seconds |")
     print("|---|---|")
-    print(f"| ray.init, local instance (2 CPUs, no dashboard) | {spread(col('ray_init_s'), '{:.2f}')} |")
+    print(f"| ray.init, local instance (2 CPUs, no dashboard) | {fmt_spread(col('ray_init_s'), '{:.2f}')} |")
     print(f"| empty job (2 prompts x 1 token: replicas start, load the pair) | "
-          f"{spread(col('empty_job_s'), '{:.2f}')} |")
-    print(f"| first block of the ray job | {spread(col('ray_first_block_s'), '{:.2f}')} |")
-    print(f"| (replicas decoding, share of the ray job) | {spread(col('ray_utilisation'), '{:.0%}')} |")
-    print(f"| single process: LLM load | {spread(col('single_load_s'), '{:.2f}')} |")
-    print(f"\nrequests with the same tokens as the single run: {spread(col('same_tokens'), '{:.0%}')}")
+          f"{fmt_spread(col('empty_job_s'), '{:.2f}')} |")
+    print(f"| first block of the ray job | {fmt_spread(col('ray_first_block_s'), '{:.2f}')} |")
+    print(f"| (replicas decoding, share of the ray job) | {fmt_spread(col('ray_utilisation'), '{:.0%}')} |")
+    print(f"| single process: LLM load | {fmt_spread(col('single_load_s'), '{:.2f}')} |")
+    print(f"\nrequests with the same tokens as the single run: {fmt_spread(col('same_tokens'), '{:.0%}')}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": command, "args": vars(args), "load": [load_before, load_after],

@@ -11,12 +11,12 @@ a cache, then time decode steps of T new tokens on top of that prefix:
   after each timed step it is cropped back to the prefix (`DynamicCache.crop`, outside the timed region).
 
 Both compute logits for all T positions (HF's default). Repetitions of ours and HF are interleaved (the
-order alternates each repetition) so drift in machine load hits both; the median time per step is
+order alternates each repetition; specdec.timing.PrefilledCache times ours) so drift in machine load hits both; the median time per step is
 reported, with `speedup = HF / ours` (> 1: ours is faster). The first step's logits of both are compared
 as a sanity check (`max|dlogit|`).
 
-    python bench/forward.py --threads 2 --repeats 30
-    python bench/forward.py --quick          # tiny model, a smoke test that the script runs
+    python -m bench.forward --threads 2 --repeats 30
+    python -m bench.forward --quick          # tiny model, a smoke test that the script runs
 """
 from __future__ import annotations
 
@@ -24,15 +24,15 @@ import argparse
 import csv
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
+from bench.common import command_line, interleave, machine, machine_line
 from specdec.models import load_model
+from specdec.timing import PrefilledCache
 
 FULL_MODEL = dict(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=8,
                   intermediate_size=1536, vocab_size=32000)
@@ -84,68 +84,25 @@ def build_checkpoint(path: str, quick: bool, seed: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+class HFPrefilled(PrefilledCache):
+    """transformers' model with a `DynamicCache` after `prompt`; rewinding crops it back to the prefix."""
 
-
-class Ours:
-    name = "ours"
-
-    def __init__(self, model, prompts, capacity, layout):
-        self.model = model
-        B, P = prompts.shape
-        self.cache = model.new_cache(B, capacity, layout)
-        self.cache.set_prefill(torch.full((B,), P, dtype=torch.long, device=prompts.device), P)
-        model(prompts, self.cache, logits="last")
-        self.length = self.cache.length.clone()
-
-    def step(self, new):
-        return self.model(new, self.cache)  # [B, T, V]
-
-    def reset(self):
-        self.cache.length = self.length.clone()
-
-
-class HF:
-    name = "hf"
-
-    def __init__(self, model, prompts):
+    def __init__(self, model, prompt):
         from transformers import DynamicCache
 
-        self.model = model
+        self.model, self.device, self.prefix = model, prompt.device, prompt.shape[1]
         self.cache = DynamicCache(config=model.config)
-        self.prefix = prompts.shape[1]
         with torch.no_grad():
-            model(prompts, cache=self.cache, use_cache=True, logits_to_keep=1)
+            model(prompt, cache=self.cache, use_cache=True, logits_to_keep=1)
 
     @torch.no_grad()
-    def step(self, new):
-        return self.model(new, cache=self.cache, use_cache=True).logits  # [B, T, V]
+    def step(self, x, logits="all"):
+        return self.model(x, cache=self.cache, use_cache=True).logits  # [B, T, V]
 
-    def reset(self):
+    def rewind(self):
         extra = self.cache.get_seq_length() - self.prefix
         if extra:
             self.cache.crop(-extra)  # transformers 5: a negative count of tokens to drop
-
-
-def time_pair(runners, new, repeats, warmup, device):
-    """Interleaved timing of each runner's step on the same input; returns {name: [seconds]}."""
-    times = {r.name: [] for r in runners}
-    for r in runners:
-        for _ in range(warmup):
-            r.step(new)
-            r.reset()
-    for rep in range(repeats):
-        order = runners if rep % 2 == 0 else runners[::-1]
-        for r in order:
-            sync(device)
-            t0 = time.perf_counter()
-            r.step(new)
-            sync(device)
-            times[r.name].append(time.perf_counter() - t0)
-            r.reset()
-    return times
 
 
 def main(argv=None):
@@ -153,6 +110,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
+    started = machine()
     dtype = getattr(torch, args.dtype)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,22 +124,21 @@ def main(argv=None):
             prompts = torch.randint(3, vocab, (B, args.prefill), generator=g).to(args.device)
             for T in args.new_tokens:
                 new = torch.randint(3, vocab, (B, T), generator=g).to(args.device)
-                ours = Ours(ours_model, prompts, args.capacity, args.layout)
-                hf = HF(hf_model, prompts)
-                err = (ours.step(new).float() - hf.step(new).float()).abs().max().item()
-                ours.reset()
-                hf.reset()
-                times = time_pair([ours, hf], new, args.repeats, args.warmup, args.device)
+                ours = PrefilledCache(ours_model, prompts, args.capacity, args.layout)
+                hf = HFPrefilled(hf_model, prompts)
+                err = (ours.forward(new).float() - hf.forward(new).float()).abs().max().item()
+                times = interleave({"ours": lambda: ours.time(new), "hf": lambda: hf.time(new)}, args.repeats,
+                                   args.warmup)
                 t_ours, t_hf = statistics.median(times["ours"]), statistics.median(times["hf"])
                 rows.append(dict(batch=B, new_tokens=T, prefix=args.prefill, ours_ms=1e3 * t_ours,
                                  hf_ms=1e3 * t_hf, ratio_ours_over_hf=t_ours / t_hf, speedup=t_hf / t_ours,
                                  max_abs_logit_diff=err))
                 print(f"B={B} T={T}: ours {1e3 * t_ours:.2f} ms, HF {1e3 * t_hf:.2f} ms", file=sys.stderr)
 
-    header = (f"Llama {n_params / 1e6:.1f}M params, {args.dtype}, device {args.device}, {args.threads} threads, "
-              f"prefix {args.prefill} tokens, our cache {args.capacity} columns ({args.layout} layout), "
-              f"HF attn_implementation={attn}, median of {args.repeats}; torch {torch.__version__}, "
-              f"transformers {__import__('transformers').__version__}, {platform.processor() or platform.machine()}")
+    header = (f"`{command_line('bench.forward', argv)}`: Llama {n_params / 1e6:.1f}M params, {args.dtype}, device "
+              f"{args.device}, prefix {args.prefill} tokens, our cache {args.capacity} columns ({args.layout} "
+              f"layout), HF attn_implementation={attn}, median of {args.repeats}; transformers "
+              f"{__import__('transformers').__version__}; {machine_line(started)}")
     print(header + "\n")
     print("| batch | new tokens/row | ours ms/step | HF ms/step | ours/HF | speedup (HF/ours) | max abs dlogit |")
     print("|---:|---:|---:|---:|---:|---:|---:|")

@@ -13,7 +13,7 @@
 #   bench_realign.json/.log, bench_rejection.json/.log
 #                           microbenchmarks (pytest-benchmark JSON; GB/s etc. in each "extra_info")
 #   bench_summary.md        realign GB/s vs torch copy, in place vs ping-pong; rejection times
-#   throughput.log + files  python bench/throughput.py --device cuda --dtype bfloat16 --quick --out RESULTS_DIR
+#   throughput.log + files  python -m bench.throughput --device cuda --dtype bfloat16 --quick --out RESULTS_DIR
 #   throughput_compiled.log the same with --compile (CUDA graphs, "reduce-overhead"), into RESULTS_DIR/compiled
 #   status.txt              one line per step: name, exit code, seconds
 # GPU_CHECK_ALLOW_CPU=1 dry-runs the script itself on a machine without a GPU (kernel tests skip, CPU benchmarks).
@@ -127,7 +127,7 @@ fi
 # -- 3. end-to-end throughput ----------------------------------------------------------------------------
 if [[ -f bench/throughput.py ]]; then
     step throughput 150 "$OUT_DIR/throughput.log" \
-        python bench/throughput.py --device cuda --dtype bfloat16 --quick --out "$OUT_DIR" || true
+        python -m bench.throughput --device cuda --dtype bfloat16 --quick --out "$OUT_DIR" || true
 else
     echo "throughput skipped: bench/throughput.py does not exist (yet)" | tee -a "$OUT_DIR/status.txt"
 fi
@@ -135,7 +135,7 @@ fi
 # -- 4. the same, compiled (CUDA graphs over the batch-size buckets; compile time in the log)
 if [[ -f bench/throughput.py ]]; then
     step throughput_compiled 150 "$OUT_DIR/throughput_compiled.log" \
-        python bench/throughput.py --device cuda --dtype bfloat16 --quick --compile --out "$OUT_DIR/compiled" || true
+        python -m bench.throughput --device cuda --dtype bfloat16 --quick --compile --out "$OUT_DIR/compiled" || true
 fi
 
 echo "== done in $(( SECONDS - START ))s; results in $OUT_DIR"

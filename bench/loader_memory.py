@@ -11,6 +11,11 @@ once (what the model costs when it runs: the zero-copy bf16 weights are memory-m
 resident when read). The driver never imports torch and builds the checkpoint in a subprocess too: on
 Linux a child inherits its parent's peak RSS through fork, so a large driver would hide the children's.
 Model bytes = the bytes of the loaded parameters. The checkpoint is deleted at the end unless --keep.
+
+    python bench/loader_memory.py --gguf .cache/real_model/SmolLM2-135M-Instruct.Q4_1.gguf
+
+measures this tree's loader on a GGUF file instead (dequantized tensor by tensor into the final dtype; the
+file's pages count too, as they are read through a memory map); nothing is built or deleted.
 """
 from __future__ import annotations
 
@@ -135,6 +140,8 @@ def main() -> None:
     p.add_argument("--before", default="5fd8984", help="git revision whose loader is 'head'")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint")
     p.add_argument("--reuse", action="store_true", help="use the checkpoint a --keep run left in --dir")
+    p.add_argument("--gguf", default=None, metavar="FILE",
+                   help="measure loading this .gguf file (loaders 'now' and 'check' only; nothing built or deleted)")
     p.add_argument("--measure", nargs=3, metavar=("LOADER", "DIR", "DTYPE"), help=argparse.SUPPRESS)
     p.add_argument("--build", nargs=2, metavar=("DIR", "SHAPE"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -147,18 +154,28 @@ def main() -> None:
 
     print("command: python " + " ".join(sys.argv))
     print(f"load average before: {os.getloadavg()}")
-    ckpt = os.path.join(args.dir, args.shape)
+    if args.gguf:
+        if not os.path.isfile(args.gguf):
+            p.error(f"--gguf {args.gguf}: no such file")
+        if args.loaders == p.get_default("loaders"):
+            args.loaders = "now"
+        if "head" in args.loaders.split(","):
+            p.error("--gguf: the 'head' loader cannot read GGUF files; use --loaders now,check")
+        args.keep = True  # nothing of ours to delete
+    ckpt = args.gguf or os.path.join(args.dir, args.shape)
     t0 = time.perf_counter()
-    file = os.path.join(ckpt, "model.safetensors")
-    if args.reuse and os.path.exists(file):
+    file = args.gguf or os.path.join(ckpt, "model.safetensors")
+    if args.gguf or (args.reuse and os.path.exists(file)):
         build = [sys.executable, "-c", f"import os; print(os.path.getsize({file!r}))"]
     else:
         build = [sys.executable, __file__, "--build", ckpt, args.shape]
     # in a subprocess, like every measurement: Linux carries a process's peak RSS (ru_maxrss) into the children
     # it forks, so this driver must stay small (it never imports torch)
     size = int(subprocess.run(build, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
-    print(f"built {ckpt}: model.safetensors {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.0f} s")
-    pkg_root = head_loader_package(os.path.join(args.dir, "head"), args.before)
+    print(f"{'using' if args.gguf else 'built'} {ckpt}: {os.path.basename(file)} {size / 2**30:.2f} GiB in "
+          f"{time.perf_counter() - t0:.0f} s")
+    pkg_root = (os.path.join(args.dir, "head") if args.gguf else
+                head_loader_package(os.path.join(args.dir, "head"), args.before))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pkg_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     results = []
     try:

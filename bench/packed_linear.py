@@ -1,6 +1,6 @@
 """Packed float32 linear weights on the CPU (`LLM(packed_weights=...)`, models/numerics.py): what they buy.
 
-    python bench/packed_linear.py --threads 2 --repeats 300
+    python -m bench.packed_linear --threads 2 --repeats 300
 
 Part 1, one linear layer (K x N, default the default pair's 384 x 1536 gate/up projection): median time of
 `F.linear` (MKL) against oneDNN's `_linear_pointwise` on a weight packed once, for M = 1..48 rows, the two
@@ -13,16 +13,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from specdec.autok import time_forward  # noqa: E402
-from specdec.models import load_model, numerics  # noqa: E402
+from bench.common import REPO, command_line, fmt_spread, interleave, machine_line, stopwatch
+from specdec.models import load_model, numerics
+from specdec.timing import time_forward
 
 TARGET = os.path.join(REPO, "specdec", "assets", "default_pair", "target")
 
@@ -39,26 +36,17 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def spread(times: list[float]) -> str:
-    return f"{statistics.median(times):.1f} ({min(times):.1f}-{max(times):.1f})"
-
-
 def layer_table(args) -> str:
     weight = torch.randn(args.out_features, args.in_features)  # [N, K]
     packed = numerics.pack_weight(weight)
-    lines = [f"| M | F.linear (us) | packed oneDNN (us) | F.linear / packed |", "|---:|---:|---:|---:|"]
+    lines = ["| M | F.linear (us) | packed oneDNN (us) | F.linear / packed |", "|---:|---:|---:|---:|"]
     for m in (int(r) for r in args.rows.split(",")):
         x = torch.randn(m, args.in_features)  # [M, K]
-        calls = {"mkl": lambda: F.linear(x, weight),
-                 "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
-        times = {name: [] for name in calls}
-        for rep in range(args.repeats + 20):
-            for name, call in calls.items():
-                t0 = time.perf_counter()
-                call()
-                if rep >= 20:  # warm-up
-                    times[name].append((time.perf_counter() - t0) * 1e6)
-        a, b = statistics.median(times["mkl"]), statistics.median(times["packed"])
+        times = interleave({"mkl": stopwatch(lambda: F.linear(x, weight)),
+                            "packed": stopwatch(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none",
+                                                                                            [], ""))},
+                           args.repeats, warmup=20)
+        a, b = (1e6 * statistics.median(times[name]) for name in ("mkl", "packed"))
         lines.append(f"| {m} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
     return "\n".join(lines)
 
@@ -71,13 +59,13 @@ def forward_table(args) -> str:
         for packed in (False, True):
             model.packed_linear = packed
             for B, T in shapes:
-                t, _ = time_forward(model, B, T, 64, model.vocab_size, 1, "all")
+                t, _ = time_forward(model, B, T, 64, 1)
                 times.setdefault((B, T, packed), []).append(t * 1e3)
     lines = ["| B | T | unpacked (ms) | packed (ms) | unpacked / packed |", "|---:|---:|---:|---:|---:|"]
     for B, T in shapes:
         off, on = times[(B, T, False)], times[(B, T, True)]
         ratio = statistics.median(off) / statistics.median(on)
-        lines.append(f"| {B} | {T} | {spread(off)} | {spread(on)} | {ratio:.2f}x |")
+        lines.append(f"| {B} | {T} | {fmt_spread(off)} | {fmt_spread(on)} | {ratio:.2f}x |")
     return "\n".join(lines)
 
 
@@ -86,8 +74,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     if numerics.pack_weight(torch.zeros(8, 8)) is None:
         sys.exit("this torch build has no oneDNN packed linear on this CPU: nothing to compare")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, load average "
-          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
+    print(f"`{command_line('bench.packed_linear', argv)}`; float32; {machine_line()}\n")
     print(f"One linear layer, K = {args.in_features}, N = {args.out_features}, median of {args.repeats} calls:\n")
     print(layer_table(args))
     print(f"\nTarget forward ({os.path.relpath(args.target, REPO)}), T new tokens per row after 64, median "

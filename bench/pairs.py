@@ -17,20 +17,22 @@ Built with `transformers` (LlamaConfig + LlamaForCausalLM + save_pretrained), a 
 dependency; where it is not installed (e.g. a bare GPU machine) the same recipe is written by hand with
 torch + safetensors. Reused from its cache folder when `pair.json` there records the same recipe.
 
-    python bench/pairs.py --out bench/results/pair          # build (or reuse) and print the recipe
+    python -m bench.pairs --out bench/results/pair          # build (or reuse) and print the recipe
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from specdec.models.cache import RAGGED
+from bench.common import interleave
+from specdec.timing import PrefilledCache, random_tokens
 
 DEFAULT_PAIR_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pair")
 
@@ -189,41 +191,17 @@ def pair_description(target_dir: str, draft_dir: str) -> dict:
 
 
 @torch.inference_mode()
-def time_forward(model, batch_size: int = 8, prefix: int = 64, new_tokens: int = 1, repeats: int = 20,
-                 seed: int = 0) -> float:
-    """Median seconds of one decode forward of `new_tokens` tokens per row on top of a `prefix`-token
-    cache (ragged layout; the cache length is put back after each step so every step sees the same prefix)."""
-    device = model.device
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.vocab_size, (batch_size, prefix + new_tokens), generator=g).to(device)
-    cache = model.new_cache(batch_size, prefix + new_tokens + 1, RAGGED)
-    cache.set_prefill(torch.full((batch_size,), prefix, dtype=torch.int64, device=device), prefix)
-    model.forward(ids[:, :prefix], cache, logits="last")
-    length = cache.length.clone()
-    cuda = device.type == "cuda"
-    times = []
-    for _ in range(repeats + 2):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model.forward(ids[:, prefix:], cache)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        cache.length = length.clone()
-    times = sorted(times[2:])  # the first two are warm-up
-    return times[len(times) // 2]
-
-
 def cost_ratio(target, draft, batch_size: int = 8, repeats: int = 20) -> dict:
-    """Time of one target forward vs one draft forward (batch `batch_size`, 1 new token), measured
-    interleaved in rounds so that machine load hits both alike."""
-    t_times, d_times = [], []
-    rounds = max(1, repeats // 5)
-    for _ in range(rounds):
-        t_times.append(time_forward(target, batch_size, repeats=5))
-        d_times.append(time_forward(draft, batch_size, repeats=5))
-    t, d = sorted(t_times)[len(t_times) // 2], sorted(d_times)[len(d_times) // 2]
+    """Time of one target forward vs one draft forward (batch `batch_size`, 1 new token after a 64-token
+    prefix), the two interleaved forward by forward so that machine load hits both alike; medians."""
+    g = torch.Generator().manual_seed(0)
+    calls = {}
+    for name, model in (("target", target), ("draft", draft)):
+        prefilled = PrefilledCache(model, random_tokens(batch_size, 64, model.vocab_size, g, model.device), 66)
+        x = random_tokens(batch_size, 1, model.vocab_size, g, model.device)  # [B, 1]
+        calls[name] = lambda prefilled=prefilled, x=x: prefilled.time(x)
+    times = interleave(calls, repeats, warmup=2)
+    t, d = statistics.median(times["target"]), statistics.median(times["draft"])
     return {"batch_size": batch_size, "target_forward_s": t, "draft_forward_s": d, "ratio": t / d if d else 0.0}
 
 

@@ -22,46 +22,47 @@ per prompt; `hf-ar` at larger batches gets its own rate: left padding may change
 
 Pairs: `default` (the embedded specdec/assets/default_pair), `synthetic` (bench/pairs.py: a 113M-parameter
 16-layer damped random Llama with its own first layer as the draft, the cost shape of a 7B/68M pair) and
-`tiny` (the same recipe at toy size, for --quick). Outputs in --out: peers.jsonl (a `meta` line, then one
+`tiny` (the same recipe at toy size, for --quick); or `--target CHECKPOINT` (an HF directory or a `.gguf`
+file, e.g. the real SmolLM2-135M-Instruct) with an optional `--draft` (without one, only `ar`/`hf-ar`/
+`ar+compile` run): the pair is then called `target`.
+
+The roofline: AR rows (`ar`, `hf-ar`) also report the weight bytes they stream per second (every step reads
+every weight once: tokens/s / B x the model's weight bytes, the embedding counted only where it is the tied
+head) and that as a fraction of the machine's read bandwidth, measured by bench/bandwidth.py before and
+after each configuration in the same run. Outputs in --out: peers.jsonl (a `meta` line, then one
 line per pair x dtype x method x batch size), peers.md (also printed) and peers-<pair>.png.
 
-    python bench/peers.py --threads 1 --repeats 3                     # both pairs, float32 + bfloat16
-    python bench/peers.py --pairs default --dtypes float32 --prompts /work/shared/data/spec_bench/question.jsonl
-    python bench/peers.py --num-prompts 16,synthetic/bfloat16=4 --max-tokens 64,synthetic=32
-    python bench/peers.py --quick                                     # smoke test: tiny pair, seconds
+    python -m bench.peers --threads 1 --repeats 3                     # both pairs, float32 + bfloat16
+    python -m bench.peers --pairs default --dtypes float32 --prompts /work/shared/data/spec_bench/question.jsonl
+    python -m bench.peers --num-prompts 16,synthetic/bfloat16=4 --max-tokens 64,synthetic=32
+    python -m bench.peers --quick                                     # smoke test: tiny pair, seconds
+    python -m bench.peers --target .cache/real_model/SmolLM2-135M-Instruct.Q4_1.gguf --methods hf-ar,ar \
+        --batch-sizes 1,8 --num-prompts 8 --max-tokens 32
 """
 from __future__ import annotations
 
+import argparse
+import hashlib
+import json
 import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
 
-# Small per-token forwards on a shared, oversubscribed CPU are far slower with OpenMP's spin-waiting.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import shlex  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from bench.bandwidth import read_bandwidth
+from bench.common import (REPO, HelpFormatter, command_line, evenly_spaced, fmt_spread, k_text, machine, pair_dirs,
+                          spread)
+from bench.pairs import DEFAULT_PAIR_DIR
+from specdec import LLM, METHODS, SamplingParams
+from specdec.models import is_gguf, load_model, load_tokenizer
+from specdec.prompts import DEFAULT_PROMPTS, read_prompts
 
-import torch  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pairs import DEFAULT_PAIR_DIR, SyntheticPairSpec, build_synthetic_pair  # noqa: E402
-from throughput import _HelpFormatter, evenly_spaced, git_revision  # noqa: E402
-
-from specdec import LLM, METHODS, SamplingParams  # noqa: E402
-from specdec.models import load_model, load_tokenizer  # noqa: E402
-from specdec.prompts import DEFAULT_DRAFT, DEFAULT_PROMPTS, DEFAULT_TARGET, read_prompts  # noqa: E402
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "peers")
 MISSING_TRANSFORMERS = 'bench/peers.py: transformers is not installed: pip install -e ".[test]"'
-PAIRS = ("default", "synthetic", "tiny")
+PAIRS = ("default", "synthetic", "tiny", "target")  # "target": --target (and --draft)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEFAULT_METHODS = ("hf-ar,hf-assisted:5,hf-assisted:default,ar,eqspec:auto,eqspec:5,ragged:auto,ragged:5,"
                    "exspec:auto,exspec:5,ar+compile,eqspec:auto+compile")
@@ -146,7 +147,7 @@ def parse_args(argv=None):
         description="specdec's methods against transformers' batched generate and assisted generation: same "
                     "prompts, exactly N new tokens each, greedy, interleaved and repeated. Writes peers.jsonl, "
                     "peers.md (printed) and peers-<pair>.png to --out.",
-        formatter_class=_HelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--pairs", default="default,synthetic",
                    help=f"comma-separated pairs from {', '.join(PAIRS)} ('default': the embedded pair; 'synthetic': "
                         f"bench/pairs.py's 113M/19M pair; 'tiny': its toy version)")
@@ -154,6 +155,12 @@ def parse_args(argv=None):
                    help="cache folder for the synthetic/tiny pairs (built once, reused while the recipe matches); "
                         f"each goes to PAIR_DIR/<pair>. Default: {os.path.relpath(DEFAULT_PAIR_DIR, REPO)} and "
                         f"{os.path.relpath(DEFAULT_PAIR_DIR, REPO)}-tiny, shared with bench/throughput.py")
+    p.add_argument("--target", default=None,
+                   help="benchmark this checkpoint (an HF directory or a .gguf file) instead of --pairs; the pair "
+                        "is called 'target'")
+    p.add_argument("--draft", default=None,
+                   help="with --target: the draft checkpoint (directory or .gguf); without it only ar, hf-ar and "
+                        "ar+compile can run")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated model dtypes")
     p.add_argument("--batch-sizes", default="1,8,16", help="comma-separated batch sizes")
     p.add_argument("--methods", default=DEFAULT_METHODS,
@@ -198,7 +205,17 @@ def parse_args(argv=None):
             if key not in given:
                 setattr(args, key, value)
     try:
+        if args.draft and not args.target:
+            raise ValueError("--draft needs --target")
+        if args.target:
+            if not os.path.exists(args.target):
+                raise ValueError(f"--target {args.target}: no such file or directory")
+            if args.draft and not os.path.exists(args.draft):
+                raise ValueError(f"--draft {args.draft}: no such file or directory")
+            args.pairs = "target"
         args.pairs = [x.strip() for x in args.pairs.split(",") if x.strip()]
+        if "target" in args.pairs and not args.target:
+            raise ValueError("--pairs target needs --target CHECKPOINT")
         bad = [x for x in args.pairs if x not in PAIRS]
         if bad or not args.pairs:
             raise ValueError(f"--pairs: unknown pair(s) {bad}; choose from {', '.join(PAIRS)}")
@@ -212,6 +229,10 @@ def parse_args(argv=None):
         args.variants = [parse_variant(m) for m in args.methods.split(",") if m.strip()]
         if len({v.label for v in args.variants}) != len(args.variants):
             raise ValueError(f"--methods {args.methods!r}: a method is listed twice")
+        if args.target and not args.draft:
+            needs = [v.label for v in args.variants if v.speculative]
+            if needs:
+                raise ValueError(f"--methods {', '.join(needs)} need a draft: give --draft, or use ar/hf-ar")
         args.num_prompts = per_config(str(args.num_prompts), "--num-prompts", args.pairs, args.dtypes)
         args.max_tokens = per_config(str(args.max_tokens), "--max-tokens", args.pairs, args.dtypes)
         args.max_prompt_tokens = per_config(str(args.max_prompt_tokens), "--max-prompt-tokens", args.pairs,
@@ -245,13 +266,10 @@ def sha256_prefix(path: str, n: int = 12) -> str:
     return h.hexdigest()[:n]
 
 
-def pair_paths(name: str, args) -> tuple[str, str]:
-    if name == "default":
-        return DEFAULT_TARGET, DEFAULT_DRAFT
-    spec = SyntheticPairSpec() if name == "synthetic" else SyntheticPairSpec.quick()
-    folder = (os.path.join(args.pair_dir, name) if args.pair_dir else
-              DEFAULT_PAIR_DIR + ("-tiny" if name == "tiny" else ""))
-    return build_synthetic_pair(folder, spec)
+def pair_paths(name: str, args) -> tuple[str, str | None]:
+    if name == "target":
+        return args.target, args.draft
+    return pair_dirs(name, os.path.join(args.pair_dir, name) if args.pair_dir and name != "default" else None)
 
 
 @dataclass
@@ -273,33 +291,59 @@ class Pair:
 
 
 def load_pair(name: str, dtype: str, args) -> Pair:
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
     target_dir, draft_dir = pair_paths(name, args)
     torch_dtype = getattr(torch, dtype)
     target = load_model(target_dir, dtype=dtype, device="cpu")
-    draft = load_model(draft_dir, dtype=dtype, device="cpu")
-    hf_target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch_dtype).eval()
-    hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch_dtype).eval()
+    draft = None if draft_dir is None else load_model(draft_dir, dtype=dtype, device="cpu")
+    hf_target = hf_load(target_dir, torch_dtype)
+    hf_draft = None if draft_dir is None else hf_load(draft_dir, torch_dtype)
     pad = hf_target.config.pad_token_id
     pad = 0 if pad is None else int(pad)
     for m in (hf_target, hf_draft):  # no EOS anywhere: nothing stops early and min_new_tokens suppresses nothing
-        m.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=pad, bos_token_id=None)
-    tokenizer = (load_tokenizer(target_dir) if any(os.path.exists(os.path.join(target_dir, f))
-                                                   for f in ("tokenizer.model", "tokenizer.json")) else None)
-    max_context = min(m.cfg.max_position_embeddings for m in (target, draft))
+        if m is not None:
+            m.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=pad, bos_token_id=None)
+    tokenizer = (load_tokenizer(target_dir) if is_gguf(target_dir) or any(
+        os.path.exists(os.path.join(target_dir, f)) for f in ("tokenizer.model", "tokenizer.json")) else None)
+    max_context = min(m.cfg.max_position_embeddings for m in (target, draft) if m is not None)
     info = {
-        "target_dir": os.path.relpath(target_dir, REPO), "draft_dir": os.path.relpath(draft_dir, REPO),
-        "target_sha256": sha256_prefix(os.path.join(target_dir, "model.safetensors")),
-        "draft_sha256": sha256_prefix(os.path.join(draft_dir, "model.safetensors")),
+        "target_dir": os.path.relpath(target_dir, REPO),
+        "draft_dir": None if draft_dir is None else os.path.relpath(draft_dir, REPO),
+        "target_sha256": sha256_prefix(weights_file(target_dir)),
+        "draft_sha256": None if draft_dir is None else sha256_prefix(weights_file(draft_dir)),
         "target_params": sum(p.numel() for p in target.parameters()),
-        "draft_params": sum(p.numel() for p in draft.parameters()),
-        "target_layers": target.cfg.num_layers, "draft_layers": draft.cfg.num_layers,
+        "draft_params": None if draft is None else sum(p.numel() for p in draft.parameters()),
+        "target_layers": target.cfg.num_layers, "draft_layers": None if draft is None else draft.cfg.num_layers,
         "hidden_size": target.cfg.hidden_size, "vocab_size": target.vocab_size, "max_context": max_context,
         "hf_attn_implementation": hf_target.config._attn_implementation,
+        "target_weight_bytes": streamed_weight_bytes(target),
     }
     return Pair(name, dtype, target_dir, draft_dir, target, draft, hf_target, hf_draft, tokenizer, pad,
                 max_context, info)
+
+
+def hf_load(path: str, torch_dtype):
+    """transformers' model of a checkpoint directory or a .gguf file (dequantized by transformers itself)."""
+    from transformers import AutoModelForCausalLM
+
+    if is_gguf(path):
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                    gguf_file=os.path.basename(path), dtype=torch_dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
+
+
+def weights_file(path: str) -> str:
+    return path if is_gguf(path) else os.path.join(path, "model.safetensors")
+
+
+def streamed_weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter once (a tied head counted once), except an
+    untied input embedding, of which a step reads only its tokens' rows."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() drops tied duplicates
+    if not model.cfg.tie_word_embeddings:
+        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
 
 
 def build_prompts(pair: Pair, num_prompts: int, max_tokens: int, args) -> tuple[list[list[int]], str]:
@@ -343,7 +387,8 @@ class Runner:
         if variant.engine == "specdec":
             if variant.compile:  # its own copies: LLM(compile=True) compiles the model objects it is given
                 self.models = (load_model(pair.target_dir, dtype=pair.dtype, device="cpu"),
-                               load_model(pair.draft_dir, dtype=pair.dtype, device="cpu"))
+                               None if pair.draft_dir is None else load_model(pair.draft_dir, dtype=pair.dtype,
+                                                                              device="cpu"))
             else:  # every eager method shares the pair's models
                 self.models = (pair.target, pair.draft)
             self.llm = self._new_llm(compile=variant.compile)
@@ -491,6 +536,8 @@ def hf_reference(pair: Pair, prompts, max_tokens: int) -> tuple[list[list[int]],
 def bench_pair(pair: Pair, prompts, max_tokens: int, args, progress) -> tuple[list[dict], dict]:
     """Warm up and time every variant at every batch size; returns the summary rows and this config's info."""
     load_before = os.getloadavg()
+    bandwidth_before = read_bandwidth()
+    progress(f"{pair.name}/{pair.dtype}: read bandwidth {bandwidth_before['median']:.1f} GB/s (bench/bandwidth.py)")
     dynamo_before = _dynamo_stats(args.variants)
     reference, ref_s = hf_reference(pair, prompts, max_tokens)
     progress(f"{pair.name}/{pair.dtype}: transformers' batch-1 reference in {ref_s:.1f}s")
@@ -515,9 +562,16 @@ def bench_pair(pair: Pair, prompts, max_tokens: int, args, progress) -> tuple[li
             progress(f"{pair.name}/{pair.dtype} B={B}: repeat {r + 1}/{args.repeats} " + ", ".join(
                 f"{v.label} {len(prompts) * max_tokens / runs[v.label][-1].seconds:.0f}" for v in active) + " tok/s")
         rows += summarise(pair, B, active, runs, warmup, reference, len(prompts) * max_tokens)
+    bandwidth_after = read_bandwidth()
+    bandwidth = statistics.median([bandwidth_before["median"], bandwidth_after["median"]])
+    for row in rows:  # the roofline of the AR rows: weight bytes streamed per second, against the measured bandwidth
+        if row["base_method"] == "ar":
+            streamed = row["tokens_per_s"]["median"] / row["batch_size"] * pair.info["target_weight_bytes"] / 1e9
+            row.update(weight_gb_per_s=streamed, bandwidth_fraction=streamed / bandwidth)
     info = {"pair": pair.name, "dtype": pair.dtype, **pair.info, "max_tokens": max_tokens,
             "batch_sizes": [b for b in args.batch_sizes if b <= len(prompts)],
             "num_prompts": len(prompts), "reference_s": ref_s, "loadavg_before": list(load_before),
+            "bandwidth_gb_per_s_before": bandwidth_before, "bandwidth_gb_per_s_after": bandwidth_after,
             "loadavg_after": list(os.getloadavg()), "dynamo_stats": _dynamo_delta(dynamo_before, _dynamo_stats(args.variants))}
     return rows, info
 
@@ -539,10 +593,6 @@ def _dynamo_delta(before: dict | None, after: dict | None) -> dict | None:
 
 
 # ---------------------------------------------------------------------------------------------- summary
-def spread(values) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def common_prefix(a, b) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -580,39 +630,32 @@ def summarise(pair: Pair, B: int, active, runs, warmup, reference, total_tokens:
     return rows
 
 
-def fmt_spread(s, spec="{:.1f}") -> str:
-    if s is None:
-        return "–"
-    return f"{spec.format(s['median'])} ({spec.format(s['min'])}–{spec.format(s['max'])})"
-
-
-def k_text(row) -> str:
-    if row["engine"] == "hf":
-        if row["base_method"] == "ar":
-            return "–"
+def k_cell(row) -> str:
+    if row["engine"] == "hf" and row["base_method"] != "ar":
         return "transformers default" if row["k"] == "default" else f"{row['k']} constant"
-    if row["k"] is None:
-        return "–"
-    if row["k"] == "auto" and row.get("mean_k") is not None:
-        zero = int(row["k_histogram"].get("0", 0)) / max(1, sum(row["k_histogram"].values()))
-        return f"auto (mean {row['mean_k']:.1f}, {zero:.0%} k=0)"
-    return str(row["k"])
+    return k_text(row["k"], row.get("k_histogram"))
 
 
 def table(rows) -> str:
     head = ("| B | method | k | tokens/s median (min–max) | × hf-ar@B median (min–max) | exact vs HF@1 | "
-            "prefix vs HF@1 | acceptance | warm-up s |")
+            "prefix vs HF@1 | acceptance | warm-up s | weights GB/s (of bandwidth) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         name = r["method"] if r["engine"] == "specdec" else f"*{r['method']}*"
         acc = r.get("acceptance_rate")
         recal = f" ({r['recalibrated_runs']} recalibrated)" if r["recalibrated_runs"] else ""
         lines.append(
-            f"| {r['batch_size']} | {name} | {k_text(r)} | {fmt_spread(r['tokens_per_s'])} | "
+            f"| {r['batch_size']} | {name} | {k_cell(r)} | {fmt_spread(r['tokens_per_s'])} | "
             f"{fmt_spread(r['speedup_vs_hf_ar'], '{:.2f}')} | {r['exact_match_vs_hf_b1']:.0%}"
             f"{'' if r['same_tokens_every_repeat'] else ' (varies)'} | {r['prefix_match_vs_hf_b1']:.0%} | "
-            f"{'–' if acc is None else f'{acc:.0%}'} | {r['warmup_s']:.1f}{recal} |")
+            f"{'–' if acc is None else f'{acc:.0%}'} | {r['warmup_s']:.1f}{recal} | {roofline_text(r)} |")
     return "\n".join(lines)
+
+
+def roofline_text(row) -> str:
+    if row.get("weight_gb_per_s") is None:
+        return "–"
+    return f"{row['weight_gb_per_s']:.1f} ({row['bandwidth_fraction']:.0%})"
 
 
 def headline(rows) -> list[str]:
@@ -634,9 +677,16 @@ def headline(rows) -> list[str]:
 
 
 def config_header(info: dict) -> str:
+    draft = ("no draft" if info["draft_dir"] is None else
+             f"draft {info['draft_dir']} ({info['draft_params'] / 1e6:.1f}M, {info['draft_layers']} layer(s), "
+             f"sha256 {info['draft_sha256']})")
+    bandwidth = ""
+    if "bandwidth_gb_per_s_before" in info:
+        bandwidth = (f"read bandwidth (bench/bandwidth.py) {info['bandwidth_gb_per_s_before']['median']:.1f} GB/s "
+                     f"before, {info['bandwidth_gb_per_s_after']['median']:.1f} GB/s after; weights streamed per "
+                     f"step {info['target_weight_bytes'] / 1e6:.0f} MB  \n")
     return (f"target {info['target_dir']} ({info['target_params'] / 1e6:.1f}M params, {info['target_layers']} layers, "
-            f"sha256 {info['target_sha256']}), draft {info['draft_dir']} ({info['draft_params'] / 1e6:.1f}M, "
-            f"{info['draft_layers']} layer(s), sha256 {info['draft_sha256']})  \n"
+            f"sha256 {info['target_sha256']}), {draft}  \n{bandwidth}"
             f"prompts: {info['prompts']}; {info['max_tokens']} new tokens each, greedy, no EOS stop  \n"
             f"load average (1/5/15 min) {'/'.join(f'{x:.1f}' for x in info['loadavg_before'])} before, "
             f"{'/'.join(f'{x:.1f}' for x in info['loadavg_after'])} after")
@@ -732,13 +782,9 @@ def main(argv=None):
     def progress(msg):
         print(f"[peers] {msg}", file=sys.stderr, flush=True)
 
-    command = "python " + " ".join(shlex.quote(a) for a in (["bench/peers.py"] + (sys.argv[1:] if argv is None
-                                                                                   else list(argv))))
-    meta = {"type": "meta", "command": command, "git": git_revision(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-            "repeats": args.repeats, "batch_sizes": args.batch_sizes, "methods": [v.label for v in args.variants],
-            "date": datetime.datetime.now().isoformat(timespec="seconds"), "loadavg_start": list(os.getloadavg()),
+    meta = {"type": "meta", **machine(), "command": command_line("bench.peers", argv),
+            "transformers": transformers.__version__, "repeats": args.repeats, "batch_sizes": args.batch_sizes,
+            "methods": [v.label for v in args.variants], "loadavg_start": list(os.getloadavg()),
             "hf_assisted_default": hf_assisted_defaults(), "configs": []}
     rows = []
     for name in args.pairs:

@@ -1,7 +1,7 @@
 """Soak: many short requests through one engine, watching memory and speed over the run (not a test).
 
-    python bench/soak.py                                  # 2000 requests, ragged and exspec, default pair
-    python bench/soak.py --methods ragged --requests 500  # shorter
+    python -m bench.soak                                  # 2000 requests, ragged and exspec, default pair
+    python -m bench.soak --methods ragged --requests 500  # shorter
 
 Each method runs in its own fresh subprocess (so its RSS is its own), one after the other. In the
 subprocess the engine is built, warmed up on 16 requests, then given all N requests at once in one
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 
+from bench.common import REPO, command_line, machine_line
 
 def rss_mib() -> float:
     with open("/proc/self/status") as f:
@@ -91,16 +92,16 @@ def main() -> None:
                               args.batch_size, args.k, args.rounds)))
         return
 
-    print("command: python " + " ".join(sys.argv))
-    print(f"load average before: {os.getloadavg()}", flush=True)
+    print(f"command: {command_line('bench.soak')}")
+    print(machine_line(), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     results = []
     for method in args.methods.split(","):
-        cmd = [sys.executable, __file__, "--one", method, "--requests", str(args.requests), "--every", str(args.every),
+        cmd = [sys.executable, "-m", "bench.soak", "--one", method, "--requests", str(args.requests), "--every", str(args.every),
                "--max-tokens", str(args.max_tokens), "--max-prompt", str(args.max_prompt),
                "--batch-size", str(args.batch_size), "-k", str(args.k), "--rounds", str(args.rounds)]
         started = time.perf_counter()
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
         r["wall_s"] = round(time.perf_counter() - started, 1)
         results.append(r)

@@ -13,9 +13,9 @@ time is its compute), so
 is the share of the step spent on everything else: sampling, acceptance, bookkeeping, realignment, Python.
 Reported per cell: tokens/s (median and spread over the repeats) and the non-forward share (median).
 
-    python bench/step_breakdown.py                                   # default pair + synthetic pair
-    python bench/step_breakdown.py --pairs default --repeats 3 --before 5fd8984
-    python bench/step_breakdown.py --cell '{...}'                    # internal: one subprocess's work
+    python -m bench.step_breakdown                                   # default pair + synthetic pair
+    python -m bench.step_breakdown --pairs default --repeats 3 --before 5fd8984
+    python -m bench.step_breakdown --cell '{...}'                    # internal: one subprocess's work
 
 Results: bench/results/step_breakdown/ (JSONL + markdown); the table is printed.
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -127,16 +126,6 @@ def export_revision(rev: str) -> str:
     return folder
 
 
-def pair_dirs(name: str) -> tuple[str, str]:
-    if name == "default":
-        assets = os.path.join(REPO, "specdec", "assets", "default_pair")
-        return os.path.join(assets, "target"), os.path.join(assets, "draft")
-    sys.path.insert(0, os.path.join(REPO, "bench"))
-    from pairs import DEFAULT_PAIR_DIR, SyntheticPairSpec, build_synthetic_pair
-
-    return build_synthetic_pair(DEFAULT_PAIR_DIR, SyntheticPairSpec())
-
-
 def run_subprocess(spec: dict, code_root: str) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=code_root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS=str(spec["threads"]))
     script = os.path.abspath(__file__)
@@ -167,13 +156,16 @@ def summarise(records: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
+    from bench.common import fmt_spread
+
     lines = [f"command: `{meta['command']}`  ", f"{meta['machine']}  ", "",
              "| pair | B | method | code | tokens/s (median, min-max) | × before | non-forward share |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         vs = f"{r['vs_before']:.2f}" if r["vs_before"] else "–"
-        lines.append(f"| {r['pair']} | {r['batch_size']} | {r['method']} | {r['version']} | {r['tokens_per_s']:.1f} "
-                     f"({r['min']:.1f}-{r['max']:.1f}) | {vs} | {r['non_forward_share']:.1%} |")
+        tps = {"median": r["tokens_per_s"], "min": r["min"], "max": r["max"]}
+        lines.append(f"| {r['pair']} | {r['batch_size']} | {r['method']} | {r['version']} | {fmt_spread(tps)} | {vs} | "
+                     f"{r['non_forward_share']:.1%} |")
     return "\n".join(lines)
 
 
@@ -182,12 +174,14 @@ def main(argv=None) -> int:
     if args.cell:
         print(json.dumps(run_cells(json.loads(args.cell))))
         return 0
+    from bench.common import command_line, machine_line, pair_dirs  # not in --cell: its `bench` may be another version
+
     versions = [v.strip() for v in args.versions.split(",") if v.strip()]
     roots = {"after": REPO, "compiled": REPO}
     if "before" in versions:
         roots["before"] = export_revision(args.before)
     os.makedirs(args.out, exist_ok=True)
-    records = []
+    started, records = machine_line(), []
     for repeat in range(args.repeats):
         for pair in args.pairs.split(","):
             target, draft = pair_dirs(pair)
@@ -211,9 +205,8 @@ def main(argv=None) -> int:
         r["same_tokens_as_after"] = None if ref is None else r.pop("token_ids") == ref
         r.pop("token_ids", None)
     rows = summarise(records)
-    meta = {"command": "python bench/step_breakdown.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-            "machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end, "
-                       f"{args.threads} thread(s), {args.dtype}, k = {args.k}, {args.max_tokens} tokens"}
+    meta = {"command": command_line("bench.step_breakdown", argv),
+            "machine": f"{started}; {args.threads} thread(s) per run, {args.dtype}, k = {args.k}, {args.max_tokens} tokens"}
     with open(os.path.join(args.out, "step_breakdown.jsonl"), "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")

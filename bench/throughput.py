@@ -25,43 +25,33 @@ Outputs in --out (file names carry the prompt-length mode, `random` or `equal`):
 throughput-<mode>.csv / .jsonl / .md, throughput-<mode>.png (tokens/s vs B), realign-<mode>.png; the
 markdown table is also printed to stdout, progress bars go to stderr.
 
-    python bench/throughput.py                                   # defaults (long on a small CPU)
-    python bench/throughput.py --threads 1 --batch-sizes 1,4,16 --num-prompts 16
-    python bench/throughput.py --equal-length                    # same prompt length: EXSPEC's best case
-    python bench/throughput.py --prompts /work/shared/data/spec_bench/question.jsonl --target T --draft D
-    python bench/throughput.py --quick                           # smoke test: tiny pair, 2 batch sizes
+    python -m bench.throughput                                   # defaults (long on a small CPU)
+    python -m bench.throughput --threads 1 --batch-sizes 1,4,16 --num-prompts 16
+    python -m bench.throughput --equal-length                    # same prompt length: EXSPEC's best case
+    python -m bench.throughput --prompts /work/shared/data/spec_bench/question.jsonl --target T --draft D
+    python -m bench.throughput --quick                           # smoke test: tiny pair, 2 batch sizes
 """
 from __future__ import annotations
 
+import argparse
+import csv
+import json
+import math
 import os
+import statistics
+import sys
+import time
+import traceback
 
-# Small per-token forwards on a shared, oversubscribed CPU are far slower with OpenMP's spin-waiting.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
 
-import argparse  # noqa: E402
-import csv  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import platform  # noqa: E402
-import random  # noqa: E402
-import shlex  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
+from bench.common import REPO, HelpFormatter, command_line, evenly_spaced, k_text, machine, pair_dirs, random_prompts
+from bench.pairs import DEFAULT_PAIR_DIR, cost_ratio, pair_description
+from specdec import LLM, SamplingParams
+from specdec.flags import k_value
+from specdec.models import load_tokenizer
+from specdec.prompts import read_prompts
 
-import torch  # noqa: E402
-
-from specdec.run import k_value  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pairs import DEFAULT_PAIR_DIR, SyntheticPairSpec, build_synthetic_pair, cost_ratio, pair_description  # noqa: E402
-
-from specdec import LLM, SamplingParams  # noqa: E402
-from specdec.models import load_tokenizer  # noqa: E402
-from specdec.prompts import read_prompts  # noqa: E402
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "throughput")
 BUILTIN_TEXT_PROMPTS = os.path.join(REPO, "specdec", "assets", "prompts.txt")
 DEFAULT_METHODS = "ar,eqspec,ragged,exspec"
@@ -79,13 +69,6 @@ def color_of(label: str, labels: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- arguments
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows '(default: X)' only where there is a plain default (None/False ones are explained in the text)."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False):
-            return action.help
-        return super()._get_help_string(action)
 
 
 def parse_args(argv=None):
@@ -93,7 +76,7 @@ def parse_args(argv=None):
         description="Throughput of every decoding method (ar, eqspec, ragged, exspec) at every batch size on "
                     "one target/draft pair, greedy, ignore_eos, methods side by side per batch size. Writes "
                     "CSV, JSONL, a markdown table and PNG plots to --out; prints the table.",
-        formatter_class=_HelpFormatter)
+        formatter_class=HelpFormatter)
     g = p.add_argument_group("models")
     g.add_argument("--target", default=None,
                    help="target checkpoint directory (HF format). Default: the synthetic pair (see --pair)")
@@ -220,19 +203,10 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------------------------------------- prompts
-def evenly_spaced(items: list, n: int) -> list:
-    """n items spread over the list (cycling when it has fewer than n)."""
-    if n <= len(items):
-        return [items[(i * len(items)) // n] for i in range(n)]
-    return [items[i % len(items)] for i in range(n)]
-
-
 def build_prompts(args, tokenizer, vocab_size: int) -> tuple[list[list[int]], str]:
     """Token-id prompts and a one-line description of the prompt set."""
-    rng = random.Random(args.seed)
     if args.prompts is None and tokenizer is None:
-        ids = [[rng.randrange(3, vocab_size) for _ in range(rng.randint(args.min_prompt_len, args.max_prompt_len))]
-               for _ in range(args.num_prompts)]
+        ids = random_prompts(args.num_prompts, vocab_size, args.min_prompt_len, args.max_prompt_len, args.seed)
         source = f"built-in: {args.num_prompts} random-id prompts, lengths {args.min_prompt_len}-{args.max_prompt_len}"
     else:
         path = args.prompts or BUILTIN_TEXT_PROMPTS
@@ -298,8 +272,7 @@ def record(label, batch_size, outs, note, runs_tps, args):
 
 def load_pair(args):
     if args.target is None:
-        spec = SyntheticPairSpec.quick() if args.pair == "tiny" else SyntheticPairSpec()
-        args.target, args.draft = build_synthetic_pair(args.pair_dir, spec)
+        args.target, args.draft = pair_dirs(args.pair, args.pair_dir)
     # one path-based LLM validates the pair (shared vocabulary/tokenizer); every run reuses its model objects
     probe = LLM(target=args.target, draft=args.draft, method="eqspec", num_speculative_tokens=1, batch_size=1,
                 dtype=args.dtype, device=args.device)
@@ -376,15 +349,6 @@ def fmt(x, spec="{:.2f}", none="–"):
     return spec.format(x)
 
 
-def k_column(r) -> str:
-    """The k of a row: fixed, or auto with the mean chosen k and the share of k = 0 steps."""
-    hist = {int(k): n for k, n in (r.get("k_histogram") or {}).items()}
-    if r.get("k") != "auto" or not hist:
-        return "–" if r.get("k") is None else str(r["k"])
-    steps = sum(hist.values())
-    return f"auto ({sum(k * n for k, n in hist.items()) / steps:.1f}, {hist.get(0, 0) / steps:.0%} k=0)"
-
-
 def markdown_table(rows, spec_methods=("eqspec", "ragged", "exspec")) -> str:
     head = ("| method | B | k | tokens/s | × AR@1 | × AR@B | acceptance | tokens/step | realign share | grouping | "
             "latency p50 / p95 / p99 (s) | equiv. vs AR@B |")
@@ -396,7 +360,7 @@ def markdown_table(rows, spec_methods=("eqspec", "ragged", "exspec")) -> str:
         spec = r.get("base_method", r["method"]) in spec_methods
         lat = r["latency_s"]
         lines.append(
-            f"| {r['method']} | {r['batch_size']} | {k_column(r)} | {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar_b1'])} | "
+            f"| {r['method']} | {r['batch_size']} | {k_text(r.get('k'), r.get('k_histogram'))} | {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar_b1'])} | "
             f"{fmt(r['speedup_vs_ar_same_b'])} | {fmt(r['acceptance_rate'], '{:.1%}') if spec else '–'} | "
             f"{r['mean_tokens_per_step']:.2f} | {fmt(r['realign_share'], '{:.1%}') if spec else '–'} | "
             f"{fmt(r['grouping_rate'], '{:.1%}') if r.get('base_method', r['method']) == 'exspec' else '–'} | "
@@ -540,20 +504,6 @@ def replot(args) -> None:
     print(render(rows, meta, args, meta["lengths"]))
 
 
-def git_revision() -> str:
-    """HEAD of the repository, with '+dirty' when tracked files are modified ('' outside git)."""
-    import subprocess
-
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return rev + ("+dirty" if rev and dirty else "")
-
-
 def main(argv=None):
     args = parse_args(argv)
     if args.replot:
@@ -562,7 +512,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     tag = "equal" if args.equal_length else "random"
     os.makedirs(args.out, exist_ok=True)
-    t_start = time.perf_counter()
+    t_start, started = time.perf_counter(), machine()
 
     models = load_pair(args)
     prompts, source = build_prompts(args, models["tokenizer"], models["vocab_size"])
@@ -588,17 +538,13 @@ def main(argv=None):
     rows = summarise(runs, args, cost)
 
     meta = {
-        "command": "python " + " ".join(shlex.quote(a) for a in ([os.path.relpath(sys.argv[0], REPO)] if argv is None
-                                                                 else ["bench/throughput.py"]) +
-                                        (sys.argv[1:] if argv is None else list(argv))),
+        **started, "command": command_line("bench.throughput", argv),
         "pair": pair_description(args.target, args.draft),
         "target_params": sum(p.numel() for p in models["target"].parameters()),
         "draft_params": sum(p.numel() for p in models["draft"].parameters()),
         "cost_before": cost_before, "cost_after": cost_after, "prompts": source, "lengths": tag,
         "k": args.num_speculative_tokens, "max_tokens": args.max_tokens, "dtype": args.dtype, "compile": args.compile,
-        "device": args.device, "threads": torch.get_num_threads(), "repeats": args.repeats,
-        "git": git_revision(), "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-        "cpu_count": os.cpu_count(), "total_time_s": time.perf_counter() - t_start,
+        "device": args.device, "repeats": args.repeats, "total_time_s": time.perf_counter() - t_start,
         "args": {k: v for k, v in vars(args).items()},
     }
     base = write_outputs(rows, meta, args, tag)

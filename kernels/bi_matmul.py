@@ -10,7 +10,7 @@ can be summed in a different order and round differently.
   accumulator, and no split-K. Row i's value is then the same sequence of `tl.dot` steps in every call:
   invariant by construction.
 - torch reference (CPU; what runs on the CPU), by dtype, each measured on this project's CPU (AMD EPYC,
-  AVX2, torch 2.13 with MKL 2024.2 and oneDNN 3.12; `bench/batch_invariant.py --probe`) for every M in
+  AVX2, torch 2.13 with MKL 2024.2 and oneDNN 3.12; `python -m bench.batch_invariant probe`) for every M in
   1..69 and up to 4100, rows at every offset, 1 and 2 threads:
   - float32: oneDNN's matmul on a weight packed once (`pack_weight`; what inductor uses on CPUs): rows agree
     for every M. (Plain `F.linear` is MKL sgemm: M = 1..3 take other kernels than M >= 4.)

@@ -21,18 +21,25 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+class KernelBackendError(ValueError, RuntimeError):
+    """A kernel backend that cannot run here; a ValueError, so the CLI reports it as one line (exit 2)."""
+
+
 def choose_backend(tensor: torch.Tensor, backend: str | None = None) -> str:
     """Resolve `backend` (argument, then $SPECDEC_KERNELS, then auto) to "triton" or "torch"."""
     choice = backend or os.environ.get("SPECDEC_KERNELS", "auto")
+    source = f"backend={backend!r}" if backend else f"SPECDEC_KERNELS={choice}"
     if choice not in BACKENDS:
         raise ValueError(f"kernel backend {choice!r} is not one of {BACKENDS} (argument or $SPECDEC_KERNELS)")
     if choice == "auto":
         return "triton" if tensor.is_cuda and triton_available() else "torch"
     if choice == "triton":
         if not triton_available():
-            raise RuntimeError("kernel backend 'triton' requested but triton is not installed")
+            raise KernelBackendError(f"{source}: triton is not installed; pip install triton, or use the torch "
+                                     f"kernels (SPECDEC_KERNELS=torch or auto)")
         if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("kernel backend 'triton' on CPU tensors needs TRITON_INTERPRET=1")
+            raise KernelBackendError(f"{source}: the Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 to run "
+                                     f"on the CPU (slowly); or use the torch kernels (SPECDEC_KERNELS=torch or auto)")
     return choice
 
 

@@ -27,6 +27,25 @@ tl = None  # triton.language, bound when this module's first kernel is launched 
 BLOCK_V = 2048  # vocabulary tile of the residual/bonus race
 
 
+def random_accepts(draft_ids, target_probs, draft_probs, uniforms):
+    """[B, k] bool: u_j * q_j(d_j) <= p_j(d_j) in float64, the acceptance test of random rows (both backends)."""
+    k = draft_ids.shape[1]
+    p_draft = target_probs[:, :k].gather(2, draft_ids[:, :, None]).squeeze(2).double()  # [B, k] p_j(d_j)
+    q_draft = draft_probs.gather(2, draft_ids[:, :, None]).squeeze(2).double()  # [B, k] q_j(d_j)
+    return uniforms * q_draft <= p_draft
+
+
+def leading_run(accepted) -> torch.Tensor:
+    """[B] int64: the accepted drafts of each row, the leading run of True in accepted [B, k]."""
+    return torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1)
+
+
+def random_slot(draft_ids, target_probs, draft_probs, uniforms, draft_ok) -> torch.Tensor:
+    """[B] int64: the slot a random row emits at (its accepted drafts), as `rejection_sample` will find it:
+    for a caller whose residual noise depends on that slot (noise keyed by position, specdec/sampling.py)."""
+    return leading_run(random_accepts(draft_ids, target_probs, draft_probs, uniforms) & draft_ok[:, None])
+
+
 def rejection_sample_reference(draft_ids, target_argmax, target_probs, draft_probs, is_greedy, uniforms, noise,
                                draft_ok=None):
     """Torch reference; see `rejection_sample` for shapes. Returns (output [B, k+1], num_accepted [B])."""
@@ -39,12 +58,10 @@ def rejection_sample_reference(draft_ids, target_argmax, target_probs, draft_pro
     if target_argmax is not None:
         accepted = torch.where(is_greedy[:, None], draft_ids == target_argmax[:, :k], accepted)
     if target_probs is not None:
-        p_draft = target_probs[:, :k].gather(2, draft_ids[:, :, None]).squeeze(2).double()  # [B, k] p_j(d_j)
-        q_draft = draft_probs.gather(2, draft_ids[:, :, None]).squeeze(2).double()  # [B, k] q_j(d_j)
-        accepted_random = uniforms * q_draft <= p_draft  # [B, k]
+        accepted_random = random_accepts(draft_ids, target_probs, draft_probs, uniforms)  # [B, k]
         accepted = torch.where(is_greedy[:, None], accepted, accepted_random)
     accepted &= draft_ok[:, None]
-    num_accepted = torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1)  # [B] leading run of accepts
+    num_accepted = leading_run(accepted)  # [B]
 
     next_token = torch.zeros(B, dtype=torch.int64, device=device)  # [B]
     rows = torch.arange(B, device=device)

@@ -149,3 +149,61 @@ class KVCache:
         self._length[index] = other.length
         for row, s, n in zip(rows, other.host_start, other.host_length):
             self.host_start[row], self.host_length[row] = s, n
+
+    def append_rows(self, other: "KVCache") -> None:
+        """Add every row of `other` (a freshly prefilled cache of the same layout) after this cache's rows."""
+        if other.capacity != self.capacity:
+            other.grow(self.capacity)
+        self.k = torch.cat([self.k, other.k], dim=1)  # [L, B + b, H_kv, C, D]
+        self.v = torch.cat([self.v, other.v], dim=1)
+        self.set_rows(torch.cat([self._start, other.start]), self.host_start + other.host_start,
+                      torch.cat([self._length, other.length]), self.host_length + other.host_length)
+
+    def grow(self, capacity: int) -> None:
+        """Give every row `capacity` columns (the cached columns keep their places; the new ones are zero)."""
+        if capacity <= self.capacity:
+            return
+        L, B, H, C, D = self.k.shape
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = torch.zeros(L, B, H, capacity, D, dtype=old.dtype, device=old.device)  # [L, B, H_kv, C', D]
+            new[:, :, :, :C] = old
+            setattr(self, name, new)
+
+    def add_rows(self, count: int) -> None:
+        """`count` more empty rows (zero K/V, start = length = 0) after the existing ones."""
+        L, B, H, C, D = self.k.shape
+        zeros = torch.zeros(L, count, H, C, D, dtype=self.k.dtype, device=self.k.device)  # [L, count, H_kv, C, D]
+        self.k = torch.cat([self.k, zeros], dim=1)
+        self.v = torch.cat([self.v, zeros.clone()], dim=1)
+        none = torch.zeros(count, dtype=torch.int64, device=self.k.device)  # [count]
+        self.set_rows(torch.cat([self._start, none]), self.host_start + [0] * count,
+                      torch.cat([self._length, none]), self.host_length + [0] * count)
+
+    def gather_rows(self, rows: list[int], buffer: "KVCache", offsets: list[int], width: int) -> "KVCache":
+        """Rows `rows` of this (ragged) cache copied into the first len(rows) rows of `buffer`, row i's
+        logical token t at column offsets[i] + t: a left-padded cache over the buffer's storage. One slice
+        copy per row (index_select on these strided views takes a slow path on the CPU)."""
+        g = len(rows)
+        k, v = buffer.k[:, :g, :, :width], buffer.v[:, :g, :, :width]  # [L, g, H_kv, width, D] views
+        lengths = [self.host_length[r] for r in rows]
+        for i, (row, n, o) in enumerate(zip(rows, lengths, offsets)):
+            k[:, i, :, o:o + n].copy_(self.k[:, row, :, :n])
+            v[:, i, :, o:o + n].copy_(self.v[:, row, :, :n])
+        index = torch.tensor(rows, dtype=torch.int64, device=self.k.device)  # [g]
+        cache = KVCache(k, v, torch.tensor(offsets, dtype=torch.int64, device=self.k.device),
+                        self._length.index_select(0, index), LEFT_PADDED, offsets, lengths)
+        cache.backend = self.backend
+        return cache
+
+    def scatter_rows(self, rows: list[int], batch: "KVCache", firsts: list[int]) -> None:
+        """The inverse of `gather_rows` after a step: copy each batch row i's logical columns
+        firsts[i]..length back into row rows[i] (start = 0), and its length."""
+        for i, (row, first, n) in enumerate(zip(rows, firsts, batch.host_length)):
+            src = batch.host_start[i] + first
+            self.k[:, row, :, first:n].copy_(batch.k[:, i, :, src:src + n - first])
+            self.v[:, row, :, first:n].copy_(batch.v[:, i, :, src:src + n - first])
+        index = torch.tensor(rows, dtype=torch.int64, device=self.k.device)  # [g]
+        self._length.index_copy_(0, index, batch.length)
+        for row, n in zip(rows, batch.host_length):
+            self.host_length[row] = n

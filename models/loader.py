@@ -54,10 +54,15 @@ def _shard_path(path: str, index_path: str, key: str, shard) -> str:
         raise CheckpointError(f"{index_path}: shard {shard!r} (for {key!r}) is outside the checkpoint directory")
     file = os.path.join(path, lexical)
     real = os.path.realpath(file)
-    if not any(os.path.commonpath([root, real]) == root for root in _allowed_roots(path)):
+    if not _inside(path, real):
         raise CheckpointError(f"{index_path}: shard {shard!r} (for {key!r}) resolves to {real}, outside the "
                               f"checkpoint directory")
     return file
+
+
+def _inside(path: str, real: str) -> bool:
+    """Whether the resolved file `real` lies in one of the checkpoint `path`'s allowed roots."""
+    return any(os.path.commonpath([root, real]) == root for root in _allowed_roots(path))
 
 
 def weight_files(path: str) -> dict[str, list[str] | None]:
@@ -72,7 +77,10 @@ def weight_files(path: str) -> dict[str, list[str] | None]:
         for key, shard in index["weight_map"].items():
             files.setdefault(_shard_path(path, index_path, key, shard), []).append(key)
         return files
-    if os.path.exists(single):
+    if os.path.lexists(single):
+        real = os.path.realpath(single)
+        if not _inside(path, real):  # the rule for shards: a symlink may not lead out of the checkpoint
+            raise CheckpointError(f"{single}: resolves to {real}, outside the checkpoint directory")
         return {single: None}
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json found")
 
@@ -97,6 +105,9 @@ def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_wei
     `check_weights` scans every weight, after conversion to `dtype`, for NaN/inf and raises naming the file
     and key; the model's `weights_check_s` records the scan's seconds (None when not checked)."""
     path = os.fspath(path)
+    if path.endswith(".gguf") and not os.path.isdir(path):  # a llama.cpp file (models/gguf.py)
+        from .gguf import load_gguf_model
+        return load_gguf_model(path, resolve_dtype(dtype), device, fuse, check_weights)
     cfg = ModelConfig.from_dir(path)
     dtype = resolve_dtype(dtype)
     device = torch.device(device)
@@ -117,8 +128,11 @@ def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_wei
     check_s = 0.0
     for file, keys in weight_files(path).items():
         if not os.path.exists(file):
-            raise CheckpointError(f"{file}: shard listed in model.safetensors.index.json does not exist")
+            raise CheckpointError(f"{file}: shard listed in model.safetensors.index.json does not exist" if keys
+                                  is not None else f"{file}: broken symlink (its target does not exist)")
         try:
+            with open(file, "rb"):  # the true reason a file cannot be read (safe_open says "No such file" for all)
+                pass
             with safe_open(file, framework="pt", device="cpu") as f, ShardReader(file) as reader:
                 present = set(f.keys())
                 listed = present if keys is None else set(keys)
@@ -160,7 +174,7 @@ def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_wei
         except SafetensorError as err:
             raise CheckpointError(f"{file}: cannot read safetensors file ({err})") from None
         except OSError as err:
-            raise CheckpointError(f"{file}: cannot read ({err})") from None
+            raise CheckpointError(f"{file}: cannot read ({err.strerror or err})") from None
     missing = sorted(set(placement) - set(origin))
     if missing:
         shown = ", ".join(repr("model." + m if m != "lm_head.weight" else m) for m in missing[:5])
@@ -171,6 +185,3 @@ def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_wei
     model.weights_check_s = check_s if check_weights else None
     return model.eval()
 
-
-def load_generation_config(path: str) -> dict:
-    return read_json(os.path.join(os.fspath(path), "generation_config.json"), required=False) or {}

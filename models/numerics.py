@@ -3,7 +3,7 @@ the batch, and their replacements when a model's `batch_invariant` attribute is 
 
 A token's logits must be the same bits whether it is fed alone (AR, T = 1, B = 1), among k + 1 tokens of
 a verify pass, in a batch of 8, at any row, after any left padding. Per op, on this project's CPU
-(measured by `python bench/batch_invariant.py probe`, asserted by `tests/test_batch_invariant.py`):
+(measured by `python -m bench.batch_invariant probe`, asserted by `tests/test_batch_invariant.py`):
 
 | op | ordinary path | batch-invariant mode |
 |---|---|---|

@@ -194,15 +194,24 @@ class Tokenizer:
         h.update(json.dumps(special, sort_keys=True).encode())
         return h.hexdigest()
 
+    def set_chat_template(self, source: str | None) -> None:
+        """Replace the chat template (Jinja source; None: no template); compiled on first use."""
+        self.chat_template, self._template = source, None
+
     def apply_chat_template(self, messages: list[dict]) -> str:
         """Render `chat_template` as HF does, with add_generation_prompt=True; returns the prompt text."""
         if self.chat_template is None:
             raise CheckpointError(f"{self.path}: the tokenizer has no chat_template")
         if self._template is None:
             self._template = _compile_template(self.chat_template, self.path)
-        return self._template.render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=True, **self._special_text
-        )
+        try:
+            return self._template.render(
+                messages=messages, tools=None, documents=None, add_generation_prompt=True, **self._special_text
+            )
+        except Exception as e:  # raise_exception(), undefined names, sandbox refusals, errors in filters...
+            detail = " ".join(str(e).split()) or "no message"
+            raise CheckpointError(
+                f"{self.path}: chat_template failed to render ({type(e).__name__}: {detail})") from None
 
     def __repr__(self) -> str:
         kind = "sentencepiece" if self._sp is not None else "tokenizers"
@@ -257,15 +266,19 @@ def _compile_template(source: str, path: str):
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
-        raise CheckpointError(f"{path}: chat_template does not parse: {e}") from e
+        raise CheckpointError(f"{path}: chat_template does not parse: {' '.join(str(e).split())}") from e
 
 
 # -- loading -------------------------------------------------------------------------------------
 
 
 def load_tokenizer(path) -> Tokenizer:
-    """Load the tokenizer of the HF checkpoint directory `path`; raises CheckpointError naming the path."""
+    """Load the tokenizer of the HF checkpoint directory `path` (or of a `.gguf` file, from its metadata:
+    models/gguf_tokenizer.py); raises CheckpointError naming the path."""
     root = Path(path)
+    if root.suffix == ".gguf" and not root.is_dir():
+        from .gguf_tokenizer import load_gguf_tokenizer
+        return load_gguf_tokenizer(root)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such checkpoint directory")
     cfg = _read_json(root / "tokenizer_config.json")

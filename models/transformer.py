@@ -105,7 +105,8 @@ class Attention(nn.Module):
                                   self.packed_linear)  # [B, T, (H + 2 H_kv) D]
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (numerics.linear(proj, x, self.batch_invariant, backend, self.packed_linear)
+                       for proj in (self.q_proj, self.k_proj, self.v_proj))  # [B, T, H D], [B, T, H_kv D] x 2
         q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)

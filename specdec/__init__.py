@@ -4,10 +4,20 @@
     llm = LLM(target="dir", draft="dir", method="eqspec", num_speculative_tokens=5, batch_size=8)
     outs = llm.generate(["def add(a, b):"], SamplingParams(max_tokens=64))
 """
-from .llm import LLM, METHODS, Outputs
-from .metrics import RunMetrics
-from .request import RequestOutput
-from .sampling import SamplingParams
+import importlib
 
-__all__ = ["LLM", "METHODS", "Outputs", "RequestOutput", "RunMetrics", "SamplingParams"]
+# name -> module: loaded on first use (PEP 562), so that `python -m specdec.run` starts without torch and its
+# main() catches a Ctrl-C during start-up
+_EXPORTS = {"Engine": "engine", "RequestDelta": "engine", "LLM": "llm", "METHODS": "llm", "Outputs": "llm",
+            "RunMetrics": "metrics", "RequestOutput": "request", "SamplingParams": "sampling"}
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+__all__ = ["Engine", "LLM", "METHODS", "Outputs", "RequestDelta", "RequestOutput", "RunMetrics", "SamplingParams"]
 __version__ = "0.1.0"

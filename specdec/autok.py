@@ -42,7 +42,7 @@ from collections import deque
 
 import torch
 
-from specdec.models.cache import RAGGED
+from specdec import timing
 
 DEFAULT_BUDGET_S = 2.0
 COST_MODEL_VERSION = 2  # in the cache key: tables of an older grid are measured again
@@ -108,26 +108,7 @@ def time_forward(model, rows: int, new_tokens: int, context: int, vocab: int, re
                  logits: str) -> tuple[float, float]:
     """(median wall time of a forward of `new_tokens` tokens per row on top of a `context`-token prefix,
     seconds spent warming up: the prefill and the first, untimed forward, where a compiled model compiles)."""
-    start = time.perf_counter()
-    device = getattr(model, "device", torch.device("cpu"))
-    g = torch.Generator().manual_seed(0)
-    cache = model.new_cache(rows, context + new_tokens + 1, RAGGED)
-    prompt = torch.randint(3, vocab, (rows, context), generator=g).to(device)  # [rows, context]
-    cache.set_prefill([context] * rows, context)
-    model.forward(prompt, cache, num_new=[context] * rows, logits="last")
-    x = torch.randint(3, vocab, (rows, new_tokens), generator=g).to(device)  # [rows, T]
-    length, host = cache.length, list(cache.host_length)
-    times, warm_up = [], 0.0
-    for _ in range(repeats + 1):  # the first is a warm-up
-        cache.set_rows(length=length, host_length=host)
-        t0 = time.perf_counter()
-        model.forward(x, cache, logits=logits)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-        if len(times) == 1:
-            warm_up = time.perf_counter() - start
-    return statistics.median(times[1:]), warm_up
+    return timing.time_forward(model, rows, new_tokens, context, repeats, logits, vocab=vocab)
 
 
 def calibrate(target, draft, batch_size: int, k_max: int, context: int, vocab: int,
@@ -192,6 +173,9 @@ def model_identity(model, spec) -> str | None:
     if not isinstance(spec, (str, os.PathLike)):
         return None
     path = os.path.realpath(os.fspath(spec))
+    if os.path.isfile(path):  # a single-file checkpoint (.gguf)
+        st = os.stat(path)
+        return hashlib.sha256(f"{path}|{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
     parts = [path]
     for name in sorted(os.listdir(path)):
         if name.endswith((".safetensors", ".json")):
@@ -329,7 +313,7 @@ class KChooser:
     # ------------------------------------------------------------------------------------- choice
     def choose(self, batch) -> int:
         B = len(batch)
-        first = max(s - n for s, n in zip(batch.host_seq_len, batch.draft_cache.host_length))
+        first = batch.draft_lag()[0]  # the next draft forward's length
         alphas = [self.alpha(r) for r in batch.requests]
         left = sum(max(r.params.max_tokens - len(r.output_ids), 1) for r in batch.requests)  # at most
         k = self.best_k(alphas, B)  # at steady state: a catch-up is paid once, weighed next
@@ -366,8 +350,12 @@ class KChooser:
             self.pooled[0] = 0.99 * self.pooled[0] + a
             self.pooled[1] = 0.99 * self.pooled[1] + offered
 
+    def forget(self, request) -> None:
+        """A finished request's acceptance statistics go (its id() may be reused by a new request)."""
+        self.stats.pop(id(request), None)
+
     def start_run(self) -> None:
-        """Per-request state belongs to one `generate` call (request ids are reused afterwards)."""
+        """Per-request state belongs to one Engine (request ids are reused afterwards)."""
         self.stats.clear()
         self.zero_streak = 0
         self.last = (0, 0, 2, 0.0)  # not drafting: the first prefill leaves the draft for the chooser

@@ -106,7 +106,6 @@ class Batch:
         self.tokens = tokens  # [B, C] int64: row i's sequence at columns 0..seq_len[i]-1
         self.seq_len = seq_len  # [B] int64
         self.params = params
-        self.written = None  # the columns the last step wrote (speculative.Written): exspec copies them back
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -117,6 +116,34 @@ class Batch:
 
     def caches(self):
         return [c for c in (self.target_cache, self.draft_cache) if c is not None]
+
+    @property
+    def capacity(self) -> int:
+        return self.target_cache.capacity
+
+    # ------------------------------------------------------------------------------ the draft's lag
+    def draft_lag(self) -> tuple[int, list[int]]:
+        """T, the tokens every row feeds in the next draft forward (the largest lag: sequence length minus
+        draft cache length), and the real tokens per row, min(T, len(sequence)) (a row shorter than T feeds
+        its whole sequence, padded)."""
+        seq = self.host_seq_len
+        T = max(s - n for s, n in zip(seq, self.draft_cache.host_length))
+        return T, [min(T, s) for s in seq]
+
+    def rewind_draft(self) -> tuple[int, list[int]]:
+        """Rewind each row's draft cache so that the next draft forward re-feeds the last T tokens (the
+        ones it holds rewrite identical K/V): one uniform forward whatever the rows' lags. Returns
+        `draft_lag()`."""
+        T, fed = self.draft_lag()
+        seq = self.host_seq_len
+        self.draft_cache.set_rows(length=(self.seq_len - T).clamp(min=0), host_length=[s - f for s, f in zip(seq, fed)])
+        return T, fed
+
+    def draft_accepted(self, seq_before: list[int], counts: list[int]) -> None:
+        """After a verification that accepted counts[i] drafts: the draft keeps the accepted drafts it has
+        fed (all but the k-th), a lag of 2 behind the sequence."""
+        self.draft_cache.set_rows(length=self.target_cache.length - 1,
+                                  host_length=[s + a - 1 for s, a in zip(seq_before, counts)])
 
     def last_tokens(self, T: int, layout: str) -> torch.Tensor:
         """The last T tokens of every row, gathered on the device: [B, T] int64. A row shorter than T is
@@ -145,6 +172,28 @@ class Batch:
         self.requests = [self.requests[i] for i in rows]
         self.params = row_params(self.requests, self.tokens.device)
 
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` columns per row in the caches and the device sequences."""
+        if capacity <= self.capacity:
+            return
+        for cache in self.caches():
+            cache.grow(capacity)
+        tokens = torch.zeros(len(self), capacity, dtype=self.tokens.dtype, device=self.tokens.device)  # [B, C']
+        tokens[:, : self.tokens.shape[1]] = self.tokens
+        self.tokens = tokens
+
+    def extend(self, other: "Batch") -> None:
+        """Append the rows of a freshly prefilled batch (same layout; its capacity is raised to ours)."""
+        other.grow(self.capacity)
+        self.grow(other.capacity)
+        self.target_cache.append_rows(other.target_cache)
+        if self.draft_cache is not None:
+            self.draft_cache.append_rows(other.draft_cache)
+        self.tokens = torch.cat([self.tokens, other.tokens])  # [B + b, C]
+        self.seq_len = torch.cat([self.seq_len, other.seq_len])  # [B + b]
+        self.requests = self.requests + other.requests
+        self.params = row_params(self.requests, self.tokens.device)
+
     def load(self, slots: list[int], other: "Batch") -> None:
         """Put the rows of a freshly prefilled batch into `slots` (continuous batching)."""
         self.target_cache.load_rows(slots, other.target_cache)
@@ -167,7 +216,7 @@ class Batch:
 
 
 def row_params(requests: list[Request], device) -> RowParams:
-    return RowParams.of([r.params for r in requests], [r.generator for r in requests], device)
+    return RowParams.of([r.params for r in requests], [r.seed for r in requests], device)
 
 
 def commit_first_tokens(ctx: DecodeContext, requests: list[Request], readback: list[list[int]], where: str) -> None:
@@ -217,11 +266,11 @@ def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: 
         draft_cache = empty_cache(ctx.draft)
     batch = Batch(list(requests), target_cache, draft_cache, tokens.to(device),
                   torch.tensor(lengths, dtype=torch.int64, device=device), row_params(requests, device))
-    first = choose_tokens(logits, batch.params, ctx.probs_dtype)  # [B]
+    first = choose_tokens(logits, batch.params, ctx.probs_dtype, batch.seq_len, lengths, ctx.kernel_backend)  # [B]
     batch.append(first[:, None], torch.ones_like(first))
     readback = torch.stack([first, finite_rows(logits).to(torch.int64)], dim=1).tolist()  # the one sync
     commit_first_tokens(ctx, requests, readback, "prefill")
-    ctx.metrics.prefill_tokens += len(requests)
+    ctx.metrics.first_tokens += len(requests)
     return batch
 
 

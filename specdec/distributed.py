@@ -10,8 +10,9 @@ How a job flows (docs/distributed.md says why):
    not exist on the other nodes), one read task at a time.
 3. `map_batches` hands each block to a replica of an actor pool (`ActorPoolStrategy(size=N)`; one GPU per
    replica on a GPU cluster, one CPU otherwise). A replica loads the models once and decodes one block per
-   call. Request i samples with seed + i, so its output does not depend on which replica decodes it, or
-   how many replicas there are.
+   call. Request i samples with seed + i; its random numbers depend only on (seed, position) and it is
+   coupled-sampled (docs/design.md, "Randomness"), so its output does not depend on which replica decodes
+   it, how many replicas there are, or the k each replica's auto-k chooses.
 4. The driver receives the blocks in prompt order (Ray Data's `preserve_order`: a block that finishes
    early waits in Ray's object store, bounded by Ray's backpressure and spilled to disk if need be, never
    in the driver), streams their lines to --output, drives one progress bar and sums the blocks' metrics.
@@ -37,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
+from .flags import engine_kwargs, positive_int
 from .prompts import iter_prompt_file
 
 RAY_EXTRA = 'pip install -e ".[ray]"'
@@ -51,13 +53,6 @@ METRIC_SKIP = ("method", "batch_size", "num_requests", "wall_time_s", "profiled"
 
 
 # ----------------------------------------------------------------------------------------------- CLI flags
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `--ray`, `--ray-address` and `--replicas` flags of `python -m specdec.run`."""
     group = parser.add_argument_group("scale-out on Ray (docs/distributed.md)")
@@ -65,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        f"by Ray Data; output in prompt order; needs the ray extra ({RAY_EXTRA})")
     group.add_argument("--ray-address", metavar="ADDR", help="with --ray: join this running cluster (the "
                        "address `ray start --head` prints, e.g. 10.0.0.1:6379); default: start a local Ray instance")
-    group.add_argument("--replicas", type=_positive_int, help="with --ray: number of replicas, each on one GPU "
+    group.add_argument("--replicas", type=positive_int, help="with --ray: number of replicas, each on one GPU "
                        "(or one CPU with --device cpu or on a cluster without GPUs); default: one per GPU (CPU)")
 
 
@@ -232,13 +227,11 @@ class Replica:
     def __call__(self, batch: dict):
         import pyarrow as pa
 
-        from specdec.run import encode_prompts
-
         if self.setup_error is not None:
             raise self.setup_error
         indices = [int(i) for i in batch["index"]]
         prompts = [str(p) for p in batch["prompt"]]
-        ids = encode_prompts(self.llm, prompts, self.chat)
+        ids = self.llm.encode(prompts, chat=self.chat)
         params = [self.params(i) for i in indices]
         errors = [request_error(self.llm, x, p, i) for x, p, i in zip(ids, params, indices)]
         good = [j for j, e in enumerate(errors) if e is None]
@@ -423,7 +416,7 @@ def add_counters(metrics, counters: dict) -> None:
             setattr(metrics, name, getattr(metrics, name) + value)
 
 
-def run_distributed(args, target: str, draft: str | None, sink=None) -> int:
+def run_distributed(args, sink=None) -> int:
     """`python -m specdec.run --ray ...`: the whole job, from flags that run.py has validated up to here."""
     from .prompts import DEFAULT_PROMPTS
 
@@ -441,13 +434,7 @@ def run_distributed(args, target: str, draft: str | None, sink=None) -> int:
     try:
         placement = place_replicas(args.device, args.replicas, ray.cluster_resources(), strict=not args.ray_address,
                                    blocks=len(chunks))
-        llm_kwargs = dict(target=target, draft=draft, method=args.method,
-                          num_speculative_tokens=args.num_speculative_tokens,
-                          max_speculative_tokens=args.max_speculative_tokens, batch_size=args.batch_size,
-                          dtype=args.dtype, device=placement.device, window_size=args.window_size,
-                          check_invariants=args.check_invariants, compile=args.compile, profile=args.profile)
-        if getattr(args, "check_weights", False):
-            llm_kwargs["check_weights"] = True
+        llm_kwargs = engine_kwargs(args, device=placement.device)  # every engine flag, as in one process
         sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed)
         replica_kwargs = dict(llm_kwargs=llm_kwargs, sampling=sampling, chat=args.chat, threads=placement.threads)
@@ -539,7 +526,7 @@ def stream_job(ray, chunks: list[dict], total: int, replica_kwargs: dict, placem
 
 def print_summary(job: JobResult, args, placement: Placement, join_s: float, block_size: int) -> None:
     """Samples, the single-process CLI's summary table, and what the Ray job cost to start."""
-    from .run import metrics_row, summary_table
+    from .summary import metrics_row, summary_table
 
     for row in job.samples:
         if row["error"] is not None:

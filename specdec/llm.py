@@ -2,24 +2,23 @@
 vocabulary, and runs a strategy over any number of prompts, `batch_size` rows at a time."""
 from __future__ import annotations
 
+import numbers
 import os
-import time
 
 import torch
 
-from specdec.models import CheckpointError, load_model, load_tokenizer
+from specdec.models import CheckpointError, is_gguf, load_model, load_tokenizer
 from specdec.models.numerics import packing_pays, set_batch_invariant
 
-from .batch import DecodeContext
+from .autok import make_chooser
 from .devices import engine_device
-from .autok import make_chooser, prepare_chooser
-from .metrics import PhaseTimer, RunMetrics
+from .engine import Engine
+from .metrics import RunMetrics
 from .options import AUTO, EngineOptions
-from .request import Request, RequestOutput
-from .sampling import SamplingParams, request_generator
-from .strategies import SPECULATIVE, STRATEGIES
+from .sampling import SamplingParams
+from .strategies import SCHEDULERS, SPECULATIVE
 
-METHODS = tuple(STRATEGIES)
+METHODS = tuple(SCHEDULERS)
 
 
 class Outputs(list):
@@ -28,7 +27,14 @@ class Outputs(list):
     metrics: RunMetrics
 
 
+def model_name(spec, role: str) -> str:
+    """How a message names a model: `draft PATH`, or `the draft model` for a model object."""
+    return f"{role} {os.fspath(spec)}" if isinstance(spec, (str, os.PathLike)) else f"the {role} model"
+
+
 def _has_tokenizer(path) -> bool:
+    if is_gguf(path):  # the tokenizer is in the file's metadata
+        return True
     return any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.model", "tokenizer.json"))
 
 
@@ -48,13 +54,13 @@ class LLM:
                  batch_size: int = 8, dtype="float32", device="auto", check_invariants: bool | None = None,
                  kernel_backend: str | None = None, window_size: int = 48, max_wait_steps: int = 8,
                  tokenizer=None, check_weights: bool = False, max_speculative_tokens: int = 8,
-                 realign_cost_per_row: float = 0.175, fold_shift: bool = False, compile: bool | None = None,
+                 realign_cost_ratio: float = 0.175, fold_shift: bool = False, compile: bool | None = None,
                  profile: bool = False, cost_cache: str | None = None, batch_invariant: bool = False,
                  packed_weights: bool | None = None):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         speculative = method in SPECULATIVE
         k = num_speculative_tokens
         if speculative and k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
@@ -69,7 +75,7 @@ class LLM:
             compile = os.environ.get("SPECDEC_COMPILE", "0") not in ("", "0")
         self.options = EngineOptions(
             num_speculative_tokens=k if speculative else 0, max_speculative_tokens=max_speculative_tokens,
-            window_size=window_size, max_wait_steps=max_wait_steps, realign_cost_per_row=realign_cost_per_row,
+            window_size=window_size, max_wait_steps=max_wait_steps, realign_cost_ratio=realign_cost_ratio,
             fold_shift=fold_shift, kernel_backend=kernel_backend, compile=compile, profile=profile,
             check_invariants=check_invariants, cost_cache=cost_cache)
         self.method = method
@@ -78,15 +84,16 @@ class LLM:
         self.device = engine_device(device, target)  # "auto": CUDA when available (or the model object's), else CPU
         self.check_weights = check_weights  # scan loaded weights for NaN/inf (load_model(check_weights=...))
 
-        self._specs = (target, draft)  # what the models were loaded from (auto k caches costs per checkpoint)
+        self.specs = (target, draft)  # what the models were loaded from (auto k caches costs per checkpoint)
         self.target = self._model(target, dtype)
         self.draft = self._model(draft, dtype) if speculative else None
         if batch_invariant:  # models/numerics.py; False leaves model objects as they are
             for model in (self.target, self.draft):
                 if model is not None:
                     set_batch_invariant(model, True)
-        for model in (self.target, self.draft):
-            self._set_packed_weights(model, packed_weights)
+        for spec, model in zip(self.specs, (self.target, self.draft)):
+            if isinstance(spec, (str, os.PathLike)) or packed_weights is not None:  # None: a model object stays as it is
+                self._set_packed_weights(model, packed_weights)
         self.tokenizer = tokenizer
         if tokenizer is None and isinstance(target, (str, os.PathLike)) and _has_tokenizer(target):
             self.tokenizer = load_tokenizer(target)
@@ -154,52 +161,88 @@ class LLM:
                     f"draft {draft_spec} and target {target_spec} have different tokenizers/vocabularies "
                     f"(vocab sizes {d_tok.vocab_size} and {t_tok.vocab_size}); speculative decoding needs one vocabulary")
             if t_tok.vocab_size > min(sizes):
-                raise CheckpointError(f"tokenizer has {t_tok.vocab_size} ids but a model's embedding has only {min(sizes)}")
+                small = (target_spec, "target") if sizes[0] == min(sizes) else (draft_spec, "draft")
+                raise CheckpointError(f"{model_name(*small)}: its embedding has {min(sizes)} rows, but the tokenizer of "
+                                      f"{model_name(target_spec, 'target')} has {t_tok.vocab_size} ids")
             return t_tok.vocab_size
         if sizes[0] != sizes[1]:
             raise CheckpointError(
-                f"draft and target vocabulary sizes differ ({sizes[1]} vs {sizes[0]}) and no tokenizers are "
-                f"available to show they agree")
+                f"{model_name(draft_spec, 'draft')} has a vocabulary of {sizes[1]} ids and "
+                f"{model_name(target_spec, 'target')} one of {sizes[0]}, and no tokenizers are available to show "
+                f"they agree; speculative decoding needs one vocabulary")
         return sizes[0]
 
     # ------------------------------------------------------------------ generate
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, index: int = 0) -> None:
-        """Raise ValueError, naming the prompt's `index`, if this request cannot run: an empty prompt, ids
-        outside the vocabulary, or prompt + max_tokens + k_max + 1 beyond the context."""
-        ids = prompt_token_ids
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, index: int = 0,
+                      name: str | None = None) -> None:
+        """Raise ValueError, naming the request (`name`, default "prompt {index}"), if it cannot run: an empty
+        prompt, ids outside the vocabulary, or prompt + max_tokens + k_max + 1 beyond the context."""
+        ids, name = prompt_token_ids, name or f"prompt {index}"
         if not ids:
-            raise ValueError(f"prompt {index} is empty (no tokens)")
+            raise ValueError(f"{name} is empty (no tokens)")
         if max(ids) >= self.vocab_size or min(ids) < 0:
-            raise ValueError(f"prompt {index} has token ids outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size})")
         need = len(ids) + params.max_tokens + self.options.k_max + 1
         if need > self.max_context:
             raise ValueError(
-                f"prompt {index} has {len(ids)} tokens; with max_tokens={params.max_tokens} and k={self.options.k_max} "
+                f"{name} has {len(ids)} tokens; with max_tokens={params.max_tokens} and k={self.options.k_max} "
                 f"it needs {need} positions but the model context is {self.max_context}")
 
-    def _requests(self, prompts, prompt_token_ids, sampling_params):
+    def prompt_ids(self, prompt, name: str = "prompt") -> list[int]:
+        """A prompt as token ids: text is encoded with the tokenizer; a sequence must hold integer ids."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer: the target has none; pass token ids")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
+            raise TypeError(f"{name} must be a string or a list of token ids, got {type(prompt).__name__}")
+        ids = list(prompt)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"{name} has a token id that is not an integer: {t!r}")
+        return [int(t) for t in ids]
+
+    def encode(self, prompts: list[str], chat: bool = False) -> list[list[int]]:
+        """Token ids of text prompts; `chat` wraps each in the checkpoint's chat template as a user turn."""
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer: the target has none; pass token ids")
+        if not chat:
+            return [self.tokenizer.encode(p) for p in prompts]
+        return [self.tokenizer.encode(self.tokenizer.apply_chat_template([{"role": "user", "content": p}]),
+                                      add_special_tokens=False) for p in prompts]
+
+    def engine(self, batch_size: int | None = None) -> "Engine":
+        """An incremental `Engine` on this LLM's models (one at a time per LLM: they share auto k's state)."""
+        return Engine(self, batch_size)
+
+    def _add_all(self, engine, prompts, prompt_token_ids, sampling_params) -> list | None:
+        """Add every prompt to `engine` (request i is "i"); returns the prompt texts (None for token ids)."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts (text) or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
         if prompts is not None:
-            if isinstance(prompts, str):
-                prompts = [prompts]
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer: the target directory has none; pass prompt_token_ids")
-            prompt_token_ids = [self.tokenizer.encode(p) for p in prompts]
+            prompts = list(prompts)
+            for i, p in enumerate(prompts):
+                if not isinstance(p, str):
+                    raise TypeError(f"prompt {i} must be a string, got {type(p).__name__} (token ids go in "
+                                    f"prompt_token_ids)")
+        items = prompts if prompts is not None else list(prompt_token_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompt_token_ids)
-        if len(sampling_params) != len(prompt_token_ids):
-            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompt_token_ids)} prompts")
-        requests = []
-        for i, (ids, params) in enumerate(zip(prompt_token_ids, sampling_params)):
-            ids = [int(t) for t in ids]
-            self.check_request(ids, params, i)
-            stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            generator = None if params.greedy else request_generator(params.seed, self.device)
-            requests.append(Request(i, ids, params, frozenset(stop), generator))
-        return prompts, requests
+            sampling_params = [sampling_params] * len(items)
+        elif isinstance(sampling_params, (str, bytes, dict)) or not hasattr(sampling_params, "__len__"):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                            f"{type(sampling_params).__name__}")
+        if len(sampling_params) != len(items):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(items)} prompts")
+        for i, params in enumerate(sampling_params):
+            if not isinstance(params, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}")
+        for item, params in zip(items, sampling_params):
+            engine.add_request(item, params)
+        return prompts
 
     @torch.inference_mode()
     def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, use_tqdm: bool = False,
@@ -208,46 +251,36 @@ class LLM:
 
         `on_output(RequestOutput)`, if given, is called for each request as soon as it finishes (in
         completion order), e.g. to stream results to a file while the rest is still decoding.
-        `batch_size` overrides the LLM's for this call (e.g. to compare batch 1 with the same models)."""
-        batch_size = self.batch_size if batch_size is None else batch_size
-        if batch_size < 1 or (self.method == "exspec" and self.options.window_size < batch_size):
-            raise ValueError(f"batch_size must be >= 1 (and <= window_size for exspec), got {batch_size}")
-        prompts, requests = self._requests(prompts, prompt_token_ids, sampling_params)
-        metrics = RunMetrics(self.method, batch_size, num_requests=len(requests))
-        if self.chooser is not None and requests:
-            prepare_chooser(self, self.chooser, requests, *self._specs, batch_size)
-            self.chooser.start_run()
-        ctx = DecodeContext(self.target, self.draft, self.options, self.vocab_size, self.device, metrics,
-                            PhaseTimer(metrics, self.device, self.options.profile), self.target_name, self.chooser)
+        `batch_size` overrides the LLM's for this call (e.g. to compare batch 1 with the same models).
+        Runs on an `Engine`: every request added, then steps until all have finished."""
+        engine = self.engine(batch_size)
+        prompts = self._add_all(engine, prompts, prompt_token_ids, sampling_params)
+        total = engine.num_waiting
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(requests), desc=f"{self.method} requests", unit="req", dynamic_ncols=True)
-
-        outputs_by_index: dict[int, RequestOutput] = {}
-
-        def progress(finished: list[Request]) -> None:
-            for r in finished:
-                text = self.tokenizer.decode(r.output_ids) if self.tokenizer is not None else None
-                out = outputs_by_index[r.index] = RequestOutput.from_request(r, prompts[r.index] if prompts else None, text)
+            bar = tqdm(total=total, desc=f"{self.method} requests", unit="req", dynamic_ncols=True)
+        outputs: list = [None] * total
+        while engine.has_unfinished():
+            done = [d.output for d in engine.step() if d.finished]
+            for out in done:
+                out.prompt = prompts[out.index] if prompts else None
+                outputs[out.index] = out
                 if on_output is not None:
                     on_output(out)
-            if bar is not None and finished:
-                bar.update(len(finished))
-                bar.set_postfix(tokens=metrics.generated_tokens, refresh=False)
-
-        t0 = time.perf_counter()
-        for r in requests:
-            r.submitted_at = t0
-        STRATEGIES[self.method].run(ctx, requests, batch_size, progress)
-        metrics.wall_time_s = time.perf_counter() - t0
+            if bar is not None and done:
+                bar.update(len(done))
+                bar.set_postfix(tokens=engine.metrics.generated_tokens, refresh=False)
         if bar is not None:
             bar.close()
-        outputs = Outputs()
-        for r in requests:
-            metrics.latencies_s.append((r.finished_at or t0) - r.submitted_at)
-            metrics.ttfts_s.append((r.first_token_at or t0) - r.submitted_at)
-            outputs.append(outputs_by_index[r.index])
-        outputs.metrics = metrics
-        return outputs
+        result = Outputs(outputs)
+        result.metrics = engine.metrics
+        return result
+
+    def stream(self, prompts=None, sampling_params=None, prompt_token_ids=None, batch_size: int | None = None):
+        """Like `generate`, but yields each step's `RequestDelta`s as they are made (request i is "i")."""
+        engine = self.engine(batch_size)
+        self._add_all(engine, prompts, prompt_token_ids, sampling_params)
+        while engine.has_unfinished():
+            yield from engine.step()

@@ -17,7 +17,7 @@ class RunMetrics:
     batch_size: int
     num_requests: int = 0
     generated_tokens: int = 0
-    prefill_tokens: int = 0  # first tokens, emitted by the prefill rather than by a decoding step
+    first_tokens: int = 0  # first tokens, emitted by the prefill rather than by a decoding step
     wall_time_s: float = 0.0
     proposed_drafts: int = 0
     accepted_drafts: int = 0
@@ -29,6 +29,7 @@ class RunMetrics:
     k_histogram: dict = field(default_factory=dict)  # k -> steps that proposed k drafts (0: target-only)
     predicted_step_s: float = 0.0  # auto k: the cost model's predicted time of the steps it chose ...
     measured_step_s: float = 0.0  # ... and their measured wall time
+    calibration_s: float = 0.0  # auto k: measuring (or spot-checking) forward costs; not in wall_time_s
     profiled: bool = False  # phase_time_s is filled only with profile=True (timing synchronises)
     phase_time_s: dict = field(default_factory=lambda: {p: 0.0 for p in PHASES})
     latencies_s: list = field(default_factory=list)
@@ -49,7 +50,7 @@ class RunMetrics:
     @property
     def mean_tokens_per_step(self) -> float:
         """Tokens a row gains per decoding step: 1 for AR, 1 + accepted drafts for speculation."""
-        return (self.generated_tokens - self.prefill_tokens) / self.row_steps if self.row_steps else 0.0
+        return (self.generated_tokens - self.first_tokens) / self.row_steps if self.row_steps else 0.0
 
     @property
     def realign_share(self) -> float:
@@ -78,6 +79,7 @@ class RunMetrics:
             "realign_share": self.realign_share, "grouping_rate": self.grouping_rate,
             "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())},
             "predicted_step_s": self.predicted_step_s, "measured_step_s": self.measured_step_s,
+            "calibration_s": self.calibration_s,
             "phase_time_s": dict(self.phase_time_s) if self.profiled else None,
             "latency_s": self.latency_percentiles("latency"), "ttft_s": self.latency_percentiles("ttft"),
         }

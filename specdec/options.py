@@ -19,7 +19,7 @@ class EngineOptions:
     max_wait_steps: int = 8  # exspec: no row waits more steps than this
     # exspec: one row's realignment time over a step's fixed cost (docs/exspec.md); sets which same-length
     # groups are worth a step. 0: only groups as large as a mixed batch; inf: any group
-    realign_cost_per_row: float = 0.175
+    realign_cost_ratio: float = 0.175
     # exspec: write a mixed batch's rows at their left-padded columns while gathering them, instead of
     # realigning the batch buffer afterwards (faster; then the gather is timed as "realign")
     fold_shift: bool = False
@@ -39,8 +39,8 @@ class EngineOptions:
             raise ValueError(f"window_size must be >= 1, got {self.window_size}")
         if self.max_wait_steps < 0:
             raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}")
-        if math.isnan(self.realign_cost_per_row) or self.realign_cost_per_row < 0:
-            raise ValueError(f"realign_cost_per_row must be >= 0, got {self.realign_cost_per_row}")
+        if math.isnan(self.realign_cost_ratio) or self.realign_cost_ratio < 0:
+            raise ValueError(f"realign_cost_ratio must be >= 0, got {self.realign_cost_ratio}")
         if self.kernel_backend is not None and self.kernel_backend not in BACKENDS:
             raise ValueError(f"kernel_backend must be one of {BACKENDS} or None, got {self.kernel_backend!r}")
 

@@ -6,15 +6,19 @@ What the path names decides how it is written (docs/api.md, "Failure behaviour")
   the link stays): lines are streamed, as requests finish, to a hidden `.NAME.specdec-*.partial` beside
   the target; at the end the file is written in prompt order to a second temporary and renamed into
   place, so the target is either untouched or complete. New files get the user's umask; a replaced
-  file keeps its permission bits. If the run fails after requests have finished, the partial file is
-  kept and the error says where it is. Interrupted (Ctrl-C, SIGTERM): both temporaries are removed.
+  file keeps its permission bits. If the run fails or is interrupted (Ctrl-C, SIGTERM) after requests have
+  finished, the partial file is kept, cut back to whole lines (valid JSONL, one line per finished request),
+  and the message says where it is; the target is left as it was. An existing file without write
+  permission (e.g. mode 0444) is refused: to replace it, make it writable (`chmod u+w`) or delete it.
 - `/dev/stdout`, `/dev/stderr`, `/dev/fd/N`, `/proc/self/fd/N`: the lines go to that open descriptor as
   requests finish (in completion order; each line carries its `index`).
 - any other non-regular file (a character device such as `/dev/null`, a FIFO): opened and streamed to
   directly, in completion order; a FIFO blocks until a reader opens it.
 - a directory, or a missing or unwritable directory: refused before anything is loaded.
 
-Every failure is an `OutputError` (an OSError) whose message starts with `--output PATH:`.
+Every failure is an `OutputError` (an OSError) whose message starts with `--output PATH:`. `check_paths`
+refuses, before anything is loaded, an --output or --metrics that is an input or the other one, and an
+unwritable --metrics.
 """
 from __future__ import annotations
 
@@ -99,7 +103,9 @@ class JsonlOutput:
         self.target: str | None = None  # the regular file that the commit replaces
         self.partial: str | None = None  # streamed lines, completion order
         self.mode: int | None = None  # permission bits of the file being replaced
-        self.lines = 0
+        # (lines, bytes) written whole; one attribute, stored in one step, so that an interrupt between
+        # bytecodes sees both counts or neither. A kept partial file is cut back to these bytes.
+        self.written = (0, 0)
         self.committed = False
         self.kept: str | None = None  # the partial file left behind after a failure
 
@@ -117,7 +123,8 @@ class JsonlOutput:
             descriptor = int(match.group(1))
         try:
             if descriptor is not None:
-                sys.stdout.flush()
+                if sys.stdout is not None:  # None when the process started with stdout closed
+                    sys.stdout.flush()
                 out.fd, out.stream = os.dup(descriptor), True  # shares the descriptor's offset: no truncation
                 return out
             target = os.path.realpath(path)
@@ -133,6 +140,8 @@ class JsonlOutput:
             directory = os.path.dirname(target)
             if not os.path.isdir(directory):
                 raise OutputError(errno.ENOENT, f"--output {path}: directory {directory} does not exist")
+            if info is not None:
+                refuse_read_only("--output", path, target, info)
             out.target = target
             out.mode = stat.S_IMODE(info.st_mode) if info is not None else None
             out.fd, out.partial = _create_exclusive(directory, os.path.basename(target), "partial", out.mode)
@@ -147,12 +156,38 @@ class JsonlOutput:
         self.write_record(record(output, prompt))
 
     def write_record(self, obj: dict) -> None:
-        """Stream one JSON line."""
+        """Stream one JSON line. A line cut off part-way (disk full, file too large, Ctrl-C or SIGTERM in the
+        middle of the write) is not counted, and a kept partial file is cut back to the counted lines."""
+        data = (json.dumps(obj) + "\n").encode("utf-8")
         try:
-            _write_all(self.fd, (json.dumps(obj) + "\n").encode("utf-8"))
+            _write_all(self.fd, data)
         except OSError as err:
             raise self._error(err, "write") from None
-        self.lines += 1
+        self.written = (self.written[0] + 1, self.written[1] + len(data))
+
+    @property
+    def lines(self) -> int:
+        """Requests written whole."""
+        return self.written[0]
+
+    def _cut_to_whole_lines(self) -> None:
+        """Drop a torn last line from the partial file (shrinking needs no space and passes any size limit)."""
+        try:
+            os.ftruncate(self.fd, self.written[1])
+        except OSError:
+            pass
+
+    def note(self, event: str = "the error") -> str:
+        """After the block: what became of the output, as the end of the one line about an error or an
+        interrupt (`event` names it: "the error", "the interrupt")."""
+        if self.committed:
+            return f"; --output {self.shown} was already complete"
+        if self.stream:
+            return f"; {self.lines} request(s) were streamed to --output {self.shown}"
+        if self.kept is not None:
+            return (f"; --output {self.shown} left as it was; the {self.lines} request(s) finished before {event} "
+                    f"are in {self.kept}")
+        return f"; --output {self.shown} left as it was"
 
     def commit_streamed(self) -> None:
         """All requests are done and the streamed lines are already in prompt order (the distributed
@@ -200,8 +235,13 @@ class JsonlOutput:
         return self
 
     def __exit__(self, kind, err, tb) -> None:
+        """Close; without a commit, keep the partial file (whole lines only) if any request finished, for an
+        error and an interrupt alike, and record where on the exception (`specdec_partial`)."""
         with signals_deferred():
+            keep = self.partial is not None and not self.committed and self.lines > 0
             if self.fd is not None:
+                if keep:
+                    self._cut_to_whole_lines()
                 try:
                     os.close(self.fd)
                 except OSError:
@@ -209,13 +249,12 @@ class JsonlOutput:
                 self.fd = None
             if self.partial is None:
                 return
-            interrupted = kind is not None and not issubclass(kind, Exception)
-            if self.committed or interrupted or self.lines == 0:
-                _unlink(self.partial)
-            else:
+            if keep:
                 self.kept = self.partial
                 if err is not None:
                     err.specdec_partial = (self.partial, self.lines)
+            else:
+                _unlink(self.partial)
             self.partial = None
 
 
@@ -224,3 +263,96 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def refuse_read_only(flag: str, shown: str, target: str, info: os.stat_result) -> None:
+    """An existing regular file that nobody may write (mode 0444...), or that this user may not, is not
+    replaced: the user makes it writable or deletes it to say that replacing it is meant."""
+    if stat.S_ISREG(info.st_mode) and (not info.st_mode & 0o222 or not os.access(target, os.W_OK)):
+        raise OutputError(errno.EACCES, f"{flag} {shown}: is read-only (mode {stat.S_IMODE(info.st_mode):04o}); "
+                                        f"to replace it, make it writable (chmod u+w) or delete it")
+
+
+def _identity(path: str) -> tuple:
+    """What a path really names: (device, inode) when it exists (hard links, symlinks), else its real path."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return ("path", os.path.realpath(path))
+    return ("file", info.st_dev, info.st_ino)
+
+
+def _input_files(inputs) -> dict[tuple, str]:
+    """identity -> path of every input: each file given, and the files directly inside each directory given
+    (a checkpoint: config, weights, tokenizer)."""
+    found: dict[tuple, str] = {}
+    for path in inputs:
+        if not path:
+            continue
+        if os.path.isdir(path):
+            try:
+                names = sorted(os.listdir(path))
+            except OSError:
+                continue
+            for name in names:
+                file = os.path.join(path, name)
+                if os.path.isfile(file):
+                    found.setdefault(_identity(file), file)
+        elif os.path.exists(path):
+            found.setdefault(_identity(path), path)
+    return found
+
+
+def check_paths(output: str | None, metrics: str | None, inputs: list[str]) -> None:
+    """Before anything is loaded: refuse an --output or --metrics that resolves (through symlinks and hard
+    links) to an input — a prompt file, a file of a checkpoint directory — or to each other, and a
+    --metrics that cannot be written. Raises OutputError naming the flag."""
+    given = _input_files(inputs)
+    named = [(flag, path) for flag, path in (("--output", output), ("--metrics", metrics)) if path]
+    for flag, path in named:
+        if _is_device(path):
+            continue  # /dev/null, a terminal: shared harmlessly
+        clash = given.get(_identity(path))
+        if clash is not None:
+            raise OutputError(errno.EEXIST, f"{flag} {path}: is the input file {clash}; writing it would destroy "
+                                            f"it, choose another path")
+    if output and metrics and not _is_device(output) and _identity(output) == _identity(metrics):
+        raise OutputError(errno.EEXIST, f"--metrics {metrics}: is the same file as --output {output}; give them "
+                                        f"different paths")
+    if metrics:
+        check_writable("--metrics", metrics)
+
+
+def _is_device(path: str) -> bool:
+    try:
+        return stat.S_ISCHR(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def check_writable(flag: str, path: str) -> None:
+    """That `path` can be written (created, or replaced) now, without writing it: an OutputError naming `flag`
+    for a directory, a missing or unwritable directory, or a read-only existing file."""
+    target = os.path.realpath(path)
+    try:
+        info = os.stat(target)
+    except FileNotFoundError:
+        info = None
+    except OSError as err:
+        raise OutputError(err.errno, f"{flag} {path}: cannot write ({err.strerror or err})") from None
+    if info is not None and stat.S_ISDIR(info.st_mode):
+        raise OutputError(errno.EISDIR, f"{flag} {path}: is a directory")
+    if info is not None:
+        refuse_read_only(flag, path, target, info)
+        if not stat.S_ISREG(info.st_mode) and not os.access(target, os.W_OK):
+            raise OutputError(errno.EACCES, f"{flag} {path}: cannot write (Permission denied)")
+        return
+    directory = os.path.dirname(target)
+    if not os.path.isdir(directory):
+        raise OutputError(errno.ENOENT, f"{flag} {path}: directory {directory} does not exist")
+    try:  # the only true test of a directory (permissions, read-only mounts, quotas): create a file there
+        fd, probe = _create_exclusive(directory, os.path.basename(target), "probe", None)
+    except OSError as err:
+        raise OutputError(err.errno, f"{flag} {path}: cannot create the file ({err.strerror or err})") from None
+    os.close(fd)
+    _unlink(probe)

@@ -4,9 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from .sampling import SamplingParams
+from .sampling import SamplingParams, request_seed
 
 
 @dataclass
@@ -15,16 +13,22 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     stop_ids: frozenset[int]  # EOS ids (unless ignore_eos) plus the request's stop_token_ids
-    generator: torch.Generator | None = None  # None for greedy requests
     output_ids: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # drafts accepted at each of its verification steps
     step_ks: list[int] = field(default_factory=list)  # k of every decoding step it took part in (0: target only)
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
-    scheduled_steps: int = 0
-    max_wait_steps: int = 0  # EXSPEC: the longest run of steps it sat in the pool unscheduled
+    longest_wait_steps: int = 0  # EXSPEC: the longest run of steps it sat in the pool unscheduled
+    seed: int | None = None  # key of its random numbers (sampling.request_seed), set at creation; None: greedy
+    request_id: str = ""  # the Engine's name for it
+    reported: int = 0  # output tokens already returned in a RequestDelta
+    text_sent: str = ""  # text already returned in RequestDeltas
+
+    def __post_init__(self):
+        if self.seed is None and not self.params.greedy:
+            self.seed = request_seed(self.params.seed)
 
     @property
     def finished(self) -> bool:
@@ -33,12 +37,6 @@ class Request:
     @property
     def sequence_length(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
-
-    def last_tokens(self, n: int) -> list[int]:
-        """The last n tokens of prompt + output (n <= 2 in practice)."""
-        tail = self.output_ids[-n:]
-        missing = n - len(tail)
-        return (self.prompt_ids[-missing:] if missing else []) + tail
 
     def commit(self, tokens: list[int]) -> int:
         """Append emitted tokens, stopping exactly where AR decoding would. Returns how many were kept."""
@@ -59,6 +57,11 @@ class Request:
             self.finished_at = now
         return kept
 
+    def finish(self, now: float, reason: str) -> None:
+        """End the request early (`reason` "abort"): it emits nothing more."""
+        self.finish_reason = reason
+        self.finished_at = now
+
 
 @dataclass
 class RequestOutput:
@@ -72,10 +75,10 @@ class RequestOutput:
     speculative_tokens: list[int]  # k of every decoding step the request took part in (0: a target-only step)
     latency_s: float
     time_to_first_token_s: float
-    max_wait_steps: int
+    longest_wait_steps: int  # EXSPEC: the longest run of steps it sat in the pool unscheduled
 
     @classmethod
     def from_request(cls, r: Request, prompt: str | None, text: str | None) -> "RequestOutput":
         return cls(r.index, prompt, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason,
                    list(r.accepted), list(r.step_ks), (r.finished_at or r.submitted_at) - r.submitted_at,
-                   (r.first_token_at or r.submitted_at) - r.submitted_at, r.max_wait_steps)
+                   (r.first_token_at or r.submitted_at) - r.submitted_at, r.longest_wait_steps)

@@ -15,29 +15,11 @@ import signal
 import sys
 import threading
 
-from .devices import resolve_device
 from .distributed import add_arguments as add_ray_arguments, wants_ray
-from .output import JsonlOutput
-from .prompts import DEFAULT_DRAFT, DEFAULT_PROMPTS, DEFAULT_TARGET, read_prompts
-
-METHODS = ("ar", "eqspec", "exspec", "ragged")
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def k_value(text: str):
-    """-k: "auto" or an int >= 1."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return positive_int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {text!r}") from None
+from .flags import add_engine_arguments, build_llm, checkpoint_pair, positive_int
+from .output import JsonlOutput, check_paths
+from .prompts import DEFAULT_PROMPTS, read_prompts
+from .summary import metrics_row, summary_table
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,59 +28,28 @@ def build_parser() -> argparse.ArgumentParser:
         description="Batch speculative decoding (exact EQSPEC / EXSPEC / ragged) on Llama/Vicuna, Qwen3 and "
                     "GLM-4 checkpoints. Without --target/--draft it uses the embedded default pair.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", help="target checkpoint directory (HF format: config.json, model.safetensors, "
-                   "tokenizer); default: the embedded default target")
-    p.add_argument("--draft", help="draft checkpoint directory sharing the target's tokenizer; default: the "
-                   "embedded default draft")
+    add_engine_arguments(p)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts", metavar="FILE", help="prompt file: .txt one prompt per line (\\n = newline, "
                    "# = comment), or .jsonl with a 'prompt' field or SpecBench-style 'turns'")
     p.add_argument("--num-prompts", type=positive_int, help="use only the first N prompts")
-    p.add_argument("--method", choices=METHODS, default="eqspec", help="decoding strategy: ar = target only; "
-                   "eqspec = left-padded, realign every step; exspec = same-length groups from a pool; "
-                   "ragged = per-row offsets, never realign")
-    p.add_argument("--batch-size", type=positive_int, default=8, help="rows decoded together")
-    p.add_argument("-k", "--num-speculative-tokens", type=k_value, default="auto", help="draft tokens per step: "
-                   "'auto' chooses k in 0..--max-speculative-tokens every step from costs measured on this machine "
-                   "(cached under ~/.cache/specdec) and each request's acceptance (0 = a step without the draft); "
-                   "or a fixed integer")
-    p.add_argument("--max-speculative-tokens", type=positive_int, default=8, help="the largest k that -k auto may "
-                   "choose")
-    p.add_argument("--window-size", type=positive_int, default=48, help="exspec: pool of live sequences")
     p.add_argument("--max-tokens", type=positive_int, default=64, help="new tokens per prompt at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (rejection sampling "
                    "keeps the target's distribution exactly)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--seed", type=int, help="base seed; request i uses seed + i (sampling only)")
-    p.add_argument("--dtype", choices=("float64", "float32", "bfloat16", "float16"), default="float32",
-                   help="weights and activations")
-    p.add_argument("--device", default="auto", help="auto (CUDA when a GPU is present, else the CPU), cpu, cuda "
-                   "or cuda:N")
-    p.add_argument("--check-weights", action="store_true", help="scan every loaded weight for NaN/inf (after "
-                   "conversion to --dtype) and stop naming the file and key; the summary says how long it took")
+    p.add_argument("--seed", type=int, help="make sampling reproducible: request i uses seed + i and gets exactly the "
+                   "tokens of target-only AR sampling with that seed, whatever -k (auto too), batch size, method or "
+                   "replica (bitwise in float64; float32/bfloat16 with --batch-invariant). Without it, sampled "
+                   "requests are rejection-sampled: exact in distribution, not reproducible")
     p.add_argument("--output", metavar="FILE.jsonl", help="one JSON line per request (prompt, text, token ids, "
                    "accepted counts, latency), streamed to a hidden temporary beside FILE as requests finish and "
-                   "renamed into place, in prompt order, when the run succeeds (on a late failure the partial file "
-                   "is kept and named). Symlinks are written through; /dev/stdout, devices and FIFOs are streamed "
+                   "renamed into place, in prompt order, when the run succeeds (on a late failure or an interrupt the "
+                   "partial file of finished requests, whole JSON lines, is kept and named). Symlinks are written through; /dev/stdout, devices and FIFOs are streamed "
                    "to directly, in completion order")
     p.add_argument("--compare-ar", action=argparse.BooleanOptionalAction, default=None,
                    help="also run AR decoding, report the exact-match rate and the speed-up "
                    "(default: on with the embedded pair, off otherwise)")
-    p.add_argument("--check-invariants", action="store_true", help="check cache/position/mask invariants after "
-                   "every step (slow; raises naming the invariant, row and column)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the target and draft forwards (CUDA: with "
-                   "CUDA graphs); the first steps of each shape compile (tens of seconds on a CPU, see docs/api.md)")
-    p.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="CPU float32: run steps of two or more token rows through oneDNN on linear weights packed "
-                        "once (one extra copy of them; 1.2-1.5x faster multi-token forwards of the default pair, "
-                        "docs/benchmarks.md). Default: on for float32 CPU models whose linear weights take at most "
-                        "1 GiB")
-    p.add_argument("--batch-invariant", action="store_true", help="batch-invariant numerics: a token's logits are "
-                   "the same bits whatever else shares the forward, so greedy speculative output equals AR bit for "
-                   "bit in bfloat16 and float32 too (slower; docs/design.md)")
-    p.add_argument("--profile", action="store_true", help="time every phase of every step (draft, verify, accept, "
-                   "realign...) for the realign share and the JSON metrics; synchronises the device at each phase")
     p.add_argument("--metrics", metavar="FILE.json", help="write the run's metrics (and the AR comparison's) as JSON: "
                    "tokens/s, acceptance, the histogram of chosen k, predicted vs measured step time, latencies")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
@@ -106,45 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_ray_arguments(p)
     return p
-
-
-def encode_prompts(llm, prompts: list[str], chat: bool) -> list[list[int]]:
-    if not chat:
-        return [llm.tokenizer.encode(p) for p in prompts]
-    return [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]),
-                                 add_special_tokens=False) for p in prompts]
-
-
-def summary_table(rows: list[dict]) -> str:
-    header = ["method", "batch", "k", "tokens/s", "acceptance", "tokens/step", "realign share", "speed-up vs AR"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in rows:
-        lines.append(f"| {r['method']} | {r['batch_size']} | {r['k']} | {r['tokens_per_s']:.1f} | {r['acceptance']} | "
-                     f"{r['tokens_per_step']:.2f} | {r['realign_share']} | {r['speedup']} |")
-    return "\n".join(lines)
-
-
-def k_summary(metrics, k_setting) -> str:
-    """The k a run used: fixed, or "auto" with the mean chosen k and the share of steps without the draft."""
-    if metrics.method == "ar":
-        return "-"
-    if k_setting != "auto":
-        return str(k_setting)
-    steps = sum(metrics.k_histogram.values())
-    if not steps:
-        return "auto"
-    mean = sum(k * n for k, n in metrics.k_histogram.items()) / steps
-    return f"auto: {mean:.1f} ({metrics.k_histogram.get(0, 0) / steps:.0%} k=0)"
-
-
-def metrics_row(metrics, k_setting, ar_tps: float | None) -> dict:
-    speculative = metrics.method != "ar"
-    return {"method": metrics.method, "batch_size": metrics.batch_size, "k": k_summary(metrics, k_setting),
-            "tokens_per_s": metrics.tokens_per_s,
-            "acceptance": f"{metrics.acceptance_rate:.1%}" if speculative and metrics.proposed_drafts else "-",
-            "tokens_per_step": metrics.mean_tokens_per_step,
-            "realign_share": f"{metrics.realign_share:.1%}" if metrics.profiled and speculative else "-",
-            "speedup": f"{metrics.tokens_per_s / ar_tps:.2f}x" if ar_tps else "-"}
 
 
 def check_sampling_flags(args) -> None:
@@ -155,26 +67,32 @@ def check_sampling_flags(args) -> None:
         raise ValueError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
     if not 0 < args.top_p <= 1:  # NaN fails this too
         raise ValueError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
+    if args.seed is not None and not -(1 << 63) <= args.seed <= SEED_MAX:
+        raise ValueError(f"--seed must be an integer in [-2**63, 2**64 - 1], got {args.seed}")
+
+
+SEED_MAX = (1 << 64) - 1  # the largest seed torch.Generator takes
+
+
+def check_seed_range(seed: int | None, prompts: int) -> None:
+    """Request i uses seed + i: the last request's seed must still be a seed. Says what the user typed."""
+    if seed is not None and seed + prompts - 1 > SEED_MAX:
+        raise ValueError(f"--seed {seed}: request i uses seed + i, and with {prompts} prompts the last seed would "
+                         f"pass the largest seed (2**64 - 1); use a --seed of at most {SEED_MAX - prompts + 1}")
 
 
 def run(args, sink: JsonlOutput | None = None) -> int:
     """One CLI run; `sink` (opened by `main` before anything is loaded) receives the --output lines."""
     import torch
 
-    from specdec import LLM, SamplingParams
+    from specdec import SamplingParams
 
-    default_pair = args.target is None and args.draft is None
-    if (args.target is None) != (args.draft is None) and args.method != "ar":
-        raise ValueError("give both --target and --draft, or neither (the embedded default pair)")
-    target = args.target or DEFAULT_TARGET
-    draft = None if args.method == "ar" else (args.draft or DEFAULT_DRAFT)
-    for name, path in (("--target", target), ("--draft", draft)):
-        if path is not None and not os.path.isdir(path):
-            raise FileNotFoundError(f"{name} {path}: checkpoint directory not found")
-    check_sampling_flags(args)
+    from .devices import resolve_device
+
+    target, draft, default_pair = checkpoint_pair(args)
     if wants_ray(args):  # scale-out on Ray: docs/distributed.md
         from .distributed import run_distributed
-        return run_distributed(args, target, draft, sink)
+        return run_distributed(args, sink)
     device = resolve_device(args.device, name="--device")
     prompts = list(args.prompt)
     if args.prompts:
@@ -185,22 +103,19 @@ def run(args, sink: JsonlOutput | None = None) -> int:
         prompts = prompts[: args.num_prompts]
     compare = default_pair if args.compare_ar is None else args.compare_ar
 
-    llm = LLM(target, draft, method=args.method, num_speculative_tokens=args.num_speculative_tokens,
-              max_speculative_tokens=args.max_speculative_tokens, batch_size=args.batch_size, dtype=args.dtype,
-              device=device, window_size=args.window_size, check_invariants=args.check_invariants,
-              check_weights=args.check_weights, compile=args.compile, profile=args.profile,
-              batch_invariant=args.batch_invariant, packed_weights=args.packed_weights)
+    llm = build_llm(args, device=device)
     if llm.tokenizer is None:
-        raise ValueError(f"--target {target}: no tokenizer.model or tokenizer.json, cannot encode text prompts")
-    ids = encode_prompts(llm, prompts, args.chat)
+        raise ValueError(f"--target {target}: no tokenizer (tokenizer.model, tokenizer.json or GGUF tokenizer metadata), "
+                         "cannot encode text prompts")
+    ids = llm.encode(prompts, chat=args.chat)
+    check_seed_range(args.seed, len(ids))
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p, seed=None if args.seed is None else args.seed + i)
               for i in range(len(ids))]
     show = not args.no_progress
     ar = None
     if compare and args.method != "ar":  # AR with the same (already loaded) target, warmed up like the rest
-        ar = LLM(llm.target, method="ar", batch_size=args.batch_size, device=llm.device, tokenizer=llm.tokenizer,
-                 check_invariants=args.check_invariants, profile=args.profile)
+        ar = build_llm(args, target=llm.target, draft=None, method="ar", device=llm.device, tokenizer=llm.tokenizer)
         warm_up([llm, ar], ids, params, args.batch_size)
     stream = None if sink is None else (lambda o: sink.write(o, prompts[o.index]))
     outputs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=show, on_output=stream)
@@ -221,7 +136,8 @@ def run(args, sink: JsonlOutput | None = None) -> int:
 
     for o in list(outputs)[: max(args.samples, 0)]:
         print(f"--- request {o.index} ({len(o.token_ids)} tokens, {o.finish_reason})")
-        print(o.prompt + "\033[1m" + (o.text or "") + "\033[0m" if sys.stdout.isatty() else o.prompt + (o.text or ""))
+        prompt = o.prompt + ("\n" if args.chat else "")  # a chat answer is a new turn, not a continuation
+        print(prompt + "\033[1m" + (o.text or "") + "\033[0m" if sys.stdout.isatty() else prompt + (o.text or ""))
     print()
     print(summary_table([metrics_row(m, args.num_speculative_tokens, ar_tps) for m, ar_tps in rows]))
     if ar is not None and args.batch_size > 1:
@@ -295,34 +211,46 @@ def error_line(err: BaseException) -> str:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    from specdec.models import CheckpointError
-
+    sink = None
     previous = None
     if hasattr(signal, "SIGTERM") and threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
-        with JsonlOutput.open(args.output) if args.output else contextlib.nullcontext() as sink:
+        args = build_parser().parse_args(argv)
+        if sys.stdout is None:  # started with stdout closed (`>&-`)
+            keep_stdout_closed_safely(args)
+        target, draft, _ = checkpoint_pair(args)
+        check_sampling_flags(args)
+        check_paths(args.output, args.metrics, [args.prompts, target, draft])
+        sink = JsonlOutput.open(args.output) if args.output else None
+        with sink if sink is not None else contextlib.nullcontext():
             return run(args, sink)
-    except (CheckpointError, ValueError, TypeError, OSError) as err:
+    except (ValueError, TypeError, OSError) as err:  # CheckpointError is a ValueError
         if isinstance(err, BrokenPipeError):  # stdout went away: say nothing more on it at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         print(error_line(err), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"specdec: interrupted (Ctrl-C){cleanup_note(args)}", file=sys.stderr)
+        print(f"specdec: interrupted (Ctrl-C){sink.note('the interrupt') if sink else ''}", file=sys.stderr)
         return 130
     except Terminated:
-        print(f"specdec: terminated (SIGTERM){cleanup_note(args)}", file=sys.stderr)
+        print(f"specdec: terminated (SIGTERM){sink.note('the interrupt') if sink else ''}", file=sys.stderr)
         return 143
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
 
-def cleanup_note(args) -> str:
-    return f"; --output {args.output} left as it was (its temporary files removed)" if args.output else ""
+def keep_stdout_closed_safely(args) -> None:
+    """Started with stdout closed: --output /dev/stdout has nowhere to go; otherwise descriptor 1 gets
+    /dev/null, so that no file opened later lands on it, and what would be printed is dropped."""
+    if args.output and os.path.abspath(args.output) in ("/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"):
+        raise OSError(f"--output {args.output}: standard output is closed")
+    null = os.open(os.devnull, os.O_WRONLY)
+    if null != 1:
+        os.dup2(null, 1)
+        os.close(null)
+    sys.stdout = open(1, "w", closefd=False)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,46 @@
 """Sampling: per-request parameters, their per-row tensors, logits processing (temperature / top-k /
-top-p), per-request random streams and the draws taken from them, and token choice.
+top-p), each request's random numbers keyed by (seed, absolute position) (`specdec.kernels.noise`), and
+token choice.
 
-Everything here takes plain tensors, lists and generators; nothing reads the device back."""
+Two samplers decide a sampling row's tokens in a speculative step (docs/design.md, "Randomness"):
+- coupled (requests with a seed): every emitted token is the target's own race sample argmax(p / E_p),
+  E_p ~ Exp(1) keyed by (seed, p); the draft proposes with the same E_p and a draft is accepted while it
+  equals the target's sample. The output is the target-only AR sample of that seed, token for token,
+  whatever k, the draft, the batch, the method or the replica;
+- rejection (requests without a seed): Leviathan et al.'s rejection sampling (kernels/rejection.py),
+  with its uniforms and residual noise keyed by position too. More drafts accepted, but which tokens come
+  out depends on where the steps' boundaries fall.
+
+Everything here takes plain tensors and lists; nothing reads the device back."""
 from __future__ import annotations
 
 import math
 import numbers
+import secrets
 from dataclasses import dataclass, field
 
 import torch
+
+from specdec.kernels.noise import ACCEPT, RACE, RESIDUAL, exponential_noise, uniform_noise
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """vLLM-style sampling parameters of one request.
 
-    temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off; `seed` fixes the request's own
-    random stream, so the same seed gives the same output whatever the batch. Every field is validated
-    here: a bad value raises ValueError naming the field (non-finite temperature/top_p, negative top_k,
-    non-integer counts or ids, a seed outside what torch.Generator accepts).
+    temperature 0 is greedy (any positive temperature works: below ~1e-38 the distribution is the
+    greedy one-hot, up to exact ties); top_k 0 and top_p 1 switch those filters off.
+
+    `seed` makes the request reproducible: its random numbers are keyed by (seed, absolute position) and
+    it is sampled by the coupled sampler, so its tokens are the target-only AR sample of that seed, the
+    same whatever k (fixed or "auto"), the draft, the batch size and neighbours, the method and the
+    replica. Bitwise in float64 always, and with `batch_invariant=True` in float32/bfloat16; otherwise a
+    near-tie between two tokens' race scores can flip with the batch's rounding, as greedy argmaxes can.
+    Without a seed a random one is drawn when the request is created (fixed for its life) and rejection
+    sampling is used: exact in distribution, more drafts accepted, not reproducible across runs.
+
+    Every field is validated here: a bad value raises ValueError naming the field (non-finite
+    temperature/top_p, negative top_k, non-integer counts or ids, a seed outside [-2**63, 2**64)).
     """
 
     max_tokens: int = 128
@@ -75,8 +97,15 @@ def process_logits(logits, temperature, top_k, top_p, dtype=torch.float32, filte
     Applied identically to target and draft distributions. Rows with temperature 0 are treated as
     temperature 1 (their probabilities are unused: greedy rows take the argmax of the raw logits).
     `filtered=False` (known on the host: no row uses top-k or top-p) skips the sort.
+
+    Safe at any temperature: the row's maximum is subtracted before dividing, so every scaled logit is
+    <= 0 and the maximum is exactly 0 (nothing overflows; a tiny temperature sends the others to -inf),
+    and a temperature below `dtype`'s smallest normal is taken as that (the limit is the same one-hot).
     """
-    x = logits.to(dtype) / torch.where(temperature > 0, temperature, 1.0).to(dtype)[:, None]  # [N, V]
+    x = logits.to(dtype)  # [N, V]
+    x = x - x.max(dim=-1, keepdim=True).values
+    scale = torch.where(temperature > 0, temperature, 1.0).to(dtype).clamp(min=torch.finfo(dtype).tiny)  # [N]
+    x = x / scale[:, None]  # [N, V]
     V = x.shape[-1]
     if filtered:
         use_k = (top_k > 0) & (top_k < V)  # [N]
@@ -96,14 +125,16 @@ def sample_race(probs, noise):
     return (probs / noise.to(probs.dtype)).argmax(dim=-1)
 
 
-def request_generator(seed: int | None, device) -> torch.Generator:
-    """A request's own random stream; a fresh random seed when none is given."""
-    g = torch.Generator(device=device)
-    if seed is None:
-        g.seed()
-    else:
-        g.manual_seed(int(seed))
-    return g
+def request_seed(seed: int | None) -> int:
+    """The 64-bit key of a request's random numbers, as a signed int64: `SamplingParams.seed` modulo
+    2**64, or a fresh random one when none is given (drawn once, when the request is created)."""
+    value = secrets.randbits(64) if seed is None else int(seed) % (1 << 64)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def coupled(params: SamplingParams) -> bool:
+    """Whether a sampling request is decided by the coupled sampler (module docstring): seeded ones."""
+    return not params.greedy and params.seed is not None
 
 
 @dataclass
@@ -116,16 +147,22 @@ class RowParams:
     top_k: torch.Tensor  # [B] int64
     top_p: torch.Tensor  # [B] float64
     host_greedy: list[bool]
-    generators: list  # [B] torch.Generator, None for greedy rows
+    seed: torch.Tensor  # [B] int64: each row's key (request_seed; 0 for greedy rows)
+    coupled: torch.Tensor  # [B] bool: sampled by the coupled sampler
+    host_coupled: list[bool]
     filtered: bool  # some row uses top-k or top-p
 
     @classmethod
-    def of(cls, params: list[SamplingParams], generators: list, device) -> "RowParams":
+    def of(cls, params: list[SamplingParams], seeds: list, device) -> "RowParams":
+        """`seeds`: each request's key (`request_seed`), None for greedy rows."""
+        host_coupled = [coupled(p) for p in params]
         return cls(torch.tensor([p.greedy for p in params], device=device),
                    torch.tensor([p.temperature for p in params], dtype=torch.float64, device=device),
                    torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
                    torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
-                   [p.greedy for p in params], list(generators),
+                   [p.greedy for p in params],
+                   torch.tensor([0 if s is None else s for s in seeds], dtype=torch.int64, device=device),
+                   torch.tensor(host_coupled, dtype=torch.bool, device=device), host_coupled,
                    any(p.top_k > 0 or p.top_p < 1.0 for p in params))
 
     @property
@@ -135,6 +172,21 @@ class RowParams:
     @property
     def any_greedy(self) -> bool:
         return any(self.host_greedy)
+
+    @property
+    def any_coupled(self) -> bool:
+        return any(self.host_coupled)
+
+    @property
+    def any_rejection(self) -> bool:
+        """Some row samples by rejection (neither greedy nor coupled)."""
+        return any(not g and not c for g, c in zip(self.host_greedy, self.host_coupled))
+
+    @property
+    def exact_match(self) -> torch.Tensor:
+        """[B] bool: rows whose drafts are accepted while they equal the target's token (greedy: its
+        argmax, coupled: its race sample)."""
+        return self.greedy | self.coupled
 
     def probs(self, logits, dtype):
         """Processed distributions of logits [B, V] (or [B, T, V], same params for every T)."""
@@ -146,27 +198,50 @@ class RowParams:
         return process_logits(logits, self.temperature, self.top_k, self.top_p, dtype, self.filtered)
 
 
-def draw_noise(generators: list, shape, device, dtype) -> torch.Tensor:
-    """Exp(1) noise [B, *shape] from each sampling row's own generator (ones for greedy rows)."""
-    rows = [torch.ones(shape, dtype=dtype, device=device) if g is None
-            else torch.empty(shape, dtype=dtype, device=device).exponential_(generator=g) for g in generators]
-    # an exact 0 (possible on CPU) would make p / e = 0/0 = NaN and let a zero-probability token win
-    return torch.stack(rows).clamp_(min=torch.finfo(dtype).tiny)
+@dataclass
+class StepNoise:
+    """A speculative step's random numbers; column j is each row's position positions + j (its pending
+    token's successor is column 0). Greedy rows get numbers too (their own key 0), never used."""
+
+    race: torch.Tensor  # [B, k+1, V] Exp(1), stream RACE: draft j's sample; coupled rows' target samples
+    uniforms: torch.Tensor | None  # [B, k] float64 in (0, 1], stream ACCEPT: rejection rows' acceptance draws
+    seed: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    host_top: int  # the largest position of a column, known on the host
+    dtype: torch.dtype
+    backend: str | None
+
+    def residual(self, slot) -> torch.Tensor:
+        """[B, V] Exp(1), stream RESIDUAL, at each row's position positions + slot ([B] int64, the slot a
+        rejection row emits at): the noise of its residual or bonus sample. Drawn for that slot only."""
+        return exponential_noise(self.seed, self.positions + slot, 1, self.race.shape[-1], RESIDUAL, self.dtype,
+                                 self.backend, self.host_top)[:, 0]
 
 
-def draw_uniforms(generators: list, k: int, device) -> torch.Tensor:
-    """Acceptance uniforms [B, k] float64 from each sampling row's own generator (zeros for greedy rows)."""
-    rows = [torch.zeros(k, dtype=torch.float64, device=device) if g is None
-            else torch.rand(k, dtype=torch.float64, device=device, generator=g) for g in generators]
-    return torch.stack(rows)
+def draw_step_noise(params: RowParams, positions, host_positions: list[int], k: int, vocab_size: int, dtype,
+                    backend: str | None = None) -> StepNoise | None:
+    """The numbers of a step of k drafts (None when every row is greedy). positions: [B] int64 on the
+    device, the absolute position of each row's next token; host_positions: the same on the host (only
+    their maximum is used, to check the counter's range without reading the device)."""
+    if params.all_greedy:
+        return None
+    top = max(host_positions) + k
+    race = exponential_noise(params.seed, positions, k + 1, vocab_size, RACE, dtype, backend, top)  # [B, k+1, V]
+    uniforms = None
+    if params.any_rejection:
+        uniforms = uniform_noise(params.seed, positions, k, 1, ACCEPT, backend, top)[:, :, 0]  # [B, k]
+    return StepNoise(race, uniforms, params.seed, positions, top, dtype, backend)
 
 
-def choose_tokens(logits, params: RowParams, dtype) -> torch.Tensor:
-    """Next token per row from logits [B, V]: the argmax for greedy rows, a sample otherwise ([B] int64).
-    Sampling rows draw V exponentials from their own generator."""
+def choose_tokens(logits, params: RowParams, dtype, positions, host_positions: list[int],
+                  backend: str | None = None) -> torch.Tensor:
+    """Next token per row from logits [B, V] (target only: prefill, k = 0 steps, AR): the argmax for
+    greedy rows, the race sample with the row's RACE noise at its position otherwise ([B] int64).
+    positions / host_positions: as in `draw_step_noise`."""
     tokens = logits.argmax(dim=-1)  # [B]
     if not params.all_greedy:
         probs = params.probs(logits, dtype)  # [B, V]
-        noise = draw_noise(params.generators, (logits.shape[-1],), logits.device, probs.dtype)  # [B, V]
+        noise = exponential_noise(params.seed, positions, 1, logits.shape[-1], RACE, probs.dtype, backend,
+                                  max(host_positions))[:, 0]  # [B, V]
         tokens = torch.where(params.greedy, tokens, sample_race(probs, noise))
     return tokens

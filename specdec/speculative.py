@@ -1,7 +1,7 @@
 """One decoding step on a batch, shared by every strategy.
 
-A speculative step: draft k tokens, verify k+1 positions in one target pass, accept per row (greedy or
-rejection sampling), commit, fix both caches' lengths; the left-padded layout then realigns (the
+A speculative step: draft k tokens, verify k+1 positions in one target pass, accept per row (greedy, coupled or
+rejection sampling: sampling.py), commit, fix both caches' lengths; the left-padded layout then realigns (the
 strategy's call). A target-only step (k = 0, and every AR step) feeds each row's last token once and
 emits one token; the draft skips it and catches up in its next forward (batch.py).
 
@@ -12,53 +12,26 @@ host needs to plan the next forward (lengths, widths, which rows sample) it alre
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from specdec.kernels.realign import realign
-from specdec.kernels.rejection import rejection_sample
+from specdec.kernels.rejection import random_slot, rejection_sample
 
 from .batch import Batch, DecodeContext, finite_rows
-from .sampling import choose_tokens, draw_noise, draw_uniforms, sample_race
-
-
-@dataclass
-class Written:
-    """The cache columns a step wrote, per row as (first logical index, count): exspec copies just these
-    back into its pool."""
-
-    target: list[tuple[int, int]]
-    draft: list[tuple[int, int]]
-
-
-def draft_window(seq_len: list[int], draft_length: list[int]) -> tuple[int, list[int]]:
-    """T, the tokens every row feeds in the first draft forward (the largest lag), and the real tokens
-    per row: min(T, len(sequence)) (a row shorter than T feeds its whole sequence, padded)."""
-    T = max(s - n for s, n in zip(seq_len, draft_length))
-    return T, [min(T, s) for s in seq_len]
-
-
-def draft_feed(batch: Batch) -> tuple[int, list[int]]:
-    """Rewind each row's draft length so that the first draft forward re-feeds the last T tokens (the
-    ones it holds rewrite identical K/V): one uniform forward whatever the rows' lags. Returns T and the
-    real tokens per row."""
-    cache = batch.draft_cache
-    seq = batch.host_seq_len
-    T, fed = draft_window(seq, cache.host_length)
-    cache.set_rows(length=(batch.seq_len - T).clamp(min=0), host_length=[s - f for s, f in zip(seq, fed)])
-    return T, fed
+from .sampling import choose_tokens, draw_step_noise, sample_race
 
 
 def propose(ctx: DecodeContext, batch: Batch, k: int, noise):
     """k draft tokens per row: ([B, k] int64, [B, k, V] draft distributions or None when all greedy,
     [B] bool draft_ok: every draft distribution of the row was finite).
 
-    The first draft forward feeds each row's unseen tokens (T >= 2, see `draft_feed`), the next k - 1
-    one each. `noise`: [B, k+1, V] Exp(1) draws; column j samples the j-th draft of sampling rows.
+    The first draft forward feeds each row's unseen tokens (T >= 2, see `Batch.rewind_draft`), the next k - 1
+    one each. `noise`: the step's `sampling.StepNoise` (None when all greedy); `noise.race[:, j]`, the
+    Exp(1) noise of position seq_len + j, samples the j-th draft of sampling rows.
     """
     V, params, cache = ctx.vocab_size, batch.params, batch.draft_cache
-    T, fed = draft_feed(batch)
+    T, fed = batch.rewind_draft()
     x = batch.last_tokens(T, cache.layout)  # [B, T]
     num_new = None if all(f == T for f in fed) else fed
     drafts, probs = [], []
@@ -69,7 +42,7 @@ def propose(ctx: DecodeContext, batch: Batch, k: int, noise):
         token = logits.argmax(dim=-1)  # [B]
         if noise is not None:
             q = params.probs(logits, ctx.probs_dtype)  # [B, V]
-            token = torch.where(params.greedy, token, sample_race(q, noise[:, j]))
+            token = torch.where(params.greedy, token, sample_race(q, noise.race[:, j]))
             probs.append(q)
         drafts.append(token)
         x, num_new = token[:, None], None  # [B, 1]
@@ -90,14 +63,27 @@ def verify(ctx: DecodeContext, batch: Batch, draft_ids):
 
 
 def accept(ctx: DecodeContext, batch: Batch, k: int, draft_ids, draft_probs, draft_ok, target_argmax, target_probs,
-           target_ok, uniforms, noise):
-    """Choose each row's emitted tokens (rejection sampling), read them back (the step's one
-    synchronisation), commit them to the requests, and set both caches' lengths."""
+           target_ok, noise):
+    """Choose each row's emitted tokens, read them back (the step's one synchronisation), commit them to
+    the requests, and set both caches' lengths.
+
+    Greedy rows accept drafts while they equal the target's argmax; coupled rows while they equal the
+    target's race sample argmax(p / E) with the step's RACE noise (the E the draft proposed with), and emit
+    the target's sample at the first mismatch: every token is the target's own; rejection rows by
+    rejection sampling (`noise.uniforms`, and the residual noise of the slot each row emits at)."""
     params = batch.params
+    if params.any_coupled:
+        race = sample_race(target_probs, noise.race)  # [B, k+1] the target's own samples
+        target_argmax = race if target_argmax is None else torch.where(params.coupled[:, None], race, target_argmax)
+    rejection = params.any_rejection
+    residual = None
+    if rejection:  # keyed by the position the row emits at: found first (the sampler's own test, on [B, k])
+        residual = noise.residual(random_slot(draft_ids, target_probs, draft_probs, noise.uniforms, draft_ok))  # [B, V]
     output, num_accepted = rejection_sample(
-        draft_ids, target_argmax, target_probs, draft_probs, params.greedy, uniforms,
-        None if noise is None else noise[:, k], backend=ctx.kernel_backend, draft_ok=draft_ok,
-        any_greedy=params.any_greedy, all_greedy=params.all_greedy)  # [B, k+1], [B]
+        draft_ids, target_argmax, target_probs if rejection else None, draft_probs if rejection else None,
+        params.exact_match, noise.uniforms if rejection else None, residual,
+        backend=ctx.kernel_backend, draft_ok=draft_ok, any_greedy=params.any_greedy or params.any_coupled,
+        all_greedy=not rejection)  # [B, k+1], [B]
     batch.append(output, num_accepted + 1)
     flags = torch.stack([num_accepted, target_ok.to(torch.int64), draft_ok.to(torch.int64)], dim=1)  # [B, 3]
     readback = torch.cat([output, flags], dim=1).tolist()  # [B, k+4]: the step's one read of the device
@@ -113,7 +99,6 @@ def accept(ctx: DecodeContext, batch: Batch, k: int, draft_ids, draft_probs, dra
                       "(the output is the target's own, at the cost of speed)")
         request.accepted.append(a)
         request.step_ks.append(k)
-        request.scheduled_steps += 1
         ctx.metrics.generated_tokens += request.commit(row[: a + 1])
         counts.append(a)
     if ctx.chooser is not None:
@@ -124,10 +109,10 @@ def accept(ctx: DecodeContext, batch: Batch, k: int, draft_ids, draft_probs, dra
     m.row_steps += len(counts)
     # the verify pass cached the pending token and all k drafts: keep the pending one and the accepted;
     # the draft keeps the accepted drafts it has fed (all but the k-th): lag 2 (batch.py)
-    target, draft = batch.target_cache, batch.draft_cache
+    target = batch.target_cache
     target.set_rows(length=target.length - (k - num_accepted),
                     host_length=[s + a for s, a in zip(seq_before, counts)])
-    draft.set_rows(length=target.length - 1, host_length=[s + a - 1 for s, a in zip(seq_before, counts)])
+    batch.draft_accepted(seq_before, counts)
     return counts
 
 
@@ -160,40 +145,32 @@ def speculative_step(ctx: DecodeContext, batch: Batch, k: int) -> None:
     """Draft, verify and accept one step of k drafts for every row of `batch` (finished rows stay in place:
     the strategy drops, refills or realigns them)."""
     params = batch.params
-    noise = uniforms = None
-    seq = batch.host_seq_len
-    _, fed = draft_window(seq, batch.draft_cache.host_length)
-    # columns this step writes: the target's k + 1 verified ones, the draft's re-fed ones and k - 1 drafts
-    batch.written = Written([(s - 1, k + 1) for s in seq], [(s - f, f + k - 1) for s, f in zip(seq, fed)])
-    with ctx.timer.phase("other"):
-        if not params.all_greedy:  # each sampling request draws from its own stream, in a fixed order
-            uniforms = draw_uniforms(params.generators, k, ctx.device)  # [B, k]
-            noise = draw_noise(params.generators, (k + 1, ctx.vocab_size), ctx.device, ctx.probs_dtype)  # [B, k+1, V]
+    with ctx.timer.phase("other"):  # keyed by (seed, position): column j is position seq_len + j, whatever k
+        noise = draw_step_noise(params, batch.seq_len, batch.host_seq_len, k, ctx.vocab_size, ctx.probs_dtype,
+                                ctx.kernel_backend)
     with ctx.timer.phase("draft"):
         draft_ids, draft_probs, draft_ok = propose(ctx, batch, k, noise)
     with ctx.timer.phase("verify"):
         target_argmax, target_probs, target_ok = verify(ctx, batch, draft_ids)
     with ctx.timer.phase("accept"):
-        accept(ctx, batch, k, draft_ids, draft_probs, draft_ok, target_argmax, target_probs, target_ok,
-               uniforms, noise)
+        accept(ctx, batch, k, draft_ids, draft_probs, draft_ok, target_argmax, target_probs, target_ok, noise)
     ctx.metrics.record_step(k)
 
 
 def target_step(ctx: DecodeContext, batch: Batch) -> None:
     """One token per row from the target alone (AR decoding, and k = 0 steps of speculative strategies)."""
-    batch.written = Written([(n, 1) for n in batch.target_cache.host_length], [])
     with ctx.timer.phase("verify"):
         pending = batch.last_tokens(1, batch.target_cache.layout)  # [B, 1]
         logits = ctx.target.forward(pending, batch.target_cache)[:, -1, : ctx.vocab_size]  # [B, V]
         ctx.metrics.target_forwards += 1
     with ctx.timer.phase("accept"):
-        tokens = choose_tokens(logits, batch.params, ctx.probs_dtype)  # [B]
+        tokens = choose_tokens(logits, batch.params, ctx.probs_dtype, batch.seq_len, batch.host_seq_len,
+                               ctx.kernel_backend)  # [B]
         batch.append(tokens[:, None], torch.ones_like(tokens))
         readback = torch.stack([tokens, finite_rows(logits).to(torch.int64)], dim=1).tolist()  # the one sync
         for request, (token, finite) in zip(batch.requests, readback):
             if not finite:
                 ctx.raise_non_finite(request, f"decoding step {ctx.metrics.steps}")
-            request.scheduled_steps += 1
             request.step_ks.append(0)
             ctx.metrics.generated_tokens += request.commit([token])
         ctx.metrics.row_steps += len(readback)

@@ -21,3 +21,28 @@ settings.load_profile("ci")
 
 # tiny models gain nothing from threads, and oversubscribed OpenMP threads crawl on a shared 2-core box
 torch.set_num_threads(1)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoint_pairs(tmp_path_factory):
+    """`checkpoint_pairs(family)`: a tiny random target/draft pair of that family (tests/checkpoints.py
+    `make_pair`, default arguments), built once per session and shared by every module that only reads it."""
+    from checkpoints import make_pair
+
+    built = {}
+
+    def get(family: str = "llama"):
+        if family not in built:
+            built[family] = make_pair(family, tmp_path_factory.mktemp(f"pair-{family}"))
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_pair(checkpoint_pairs):
+    """The llama pair most tests decode with (read-only: copy it before changing a file)."""
+    return checkpoint_pairs("llama")

@@ -5,21 +5,14 @@ import random
 
 import pytest
 
-from checkpoints import make_pair
+from choosers import SCRIPT, ScriptedChooser, linear_costs
 from specdec import LLM, SamplingParams
+from specdec.batch import Batch
 from specdec.autok import (CostTable, KChooser, agrees, cache_key, calibrate, forward_variant, load_costs, monotone,
                            save_costs)
 from specdec.models import load_model
 
 PARAMS = SamplingParams(max_tokens=32)
-SCRIPT = (3, 0, 0, 5, 1, 0, 2, 4, 1, 1)  # k of successive steps: it changes every step, k = 0 included
-
-
-def linear_costs(target_fixed, target_per_token, draft_fixed, draft_per_token, m_max=256):
-    """A cost table with t(M) = fixed + per_token * M at powers of two."""
-    ms = [2 ** i for i in range(m_max.bit_length())]
-    return CostTable({m: target_fixed + target_per_token * m for m in ms},
-                     {m: draft_fixed + draft_per_token * m for m in ms})
 
 
 class FakeBatch:
@@ -33,6 +26,8 @@ class FakeBatch:
 
     def __len__(self):
         return len(self.host_seq_len)
+
+    draft_lag = Batch.draft_lag  # the batch's own lag bookkeeping, on these host lists
 
 
 def test_k_rises_with_acceptance():
@@ -110,8 +105,8 @@ def test_cost_table_interpolates_and_extrapolates():
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return make_pair("llama", tmp_path_factory.mktemp("autok"))
+def pair(llama_pair):
+    return llama_pair
 
 
 def test_calibration_is_bounded_and_cached(pair, tmp_path):
@@ -165,20 +160,6 @@ def test_cost_cache_key_names_how_the_forward_runs(pair):
     assert forward_variant(target) == "eager+batch-invariant"
     keys = {cache_key("t", "d", "float32", "cpu", 8, 8, 100, v) for v in ("eager", "compiled")}
     assert len(keys) == 2
-
-
-class ScriptedChooser(KChooser):
-    """k from a fixed cycle, whatever the costs: every k change and k = 0 step the real chooser could make."""
-
-    def __init__(self, script, k_max):
-        super().__init__(k_max, linear_costs(1.0, 0.0, 0.1, 0.0))
-        self.script, self.i = script, 0
-
-    def choose(self, batch):
-        k = self.script[self.i % len(self.script)]
-        self.i += 1
-        self.last = (len(batch), k, 2, 0.0)
-        return k
 
 
 def mixed_prompts(n=16, seed=0):

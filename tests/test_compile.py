@@ -12,6 +12,8 @@ import torch
 from checkpoints import make_pair
 from specdec import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # not in the fast lane (pytest.ini)
+
 PARAMS = SamplingParams(max_tokens=16)
 
 

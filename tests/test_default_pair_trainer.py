@@ -8,10 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `bench.default_pair`
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for the `bench` package
 
 from bench.default_pair import checkpoint, data, evaluate, train  # noqa: E402
 from bench.default_pair.__main__ import main  # noqa: E402
+from specdec.prompts import read_prompts  # noqa: E402
+
+pytestmark = pytest.mark.slow  # not in the fast lane (pytest.ini)
 
 TINY = "hidden=32,layers=1,heads=2,kv_heads=1,ffn=64"
 
@@ -43,10 +46,10 @@ def test_prompts_round_trip_through_the_file(tmp_path):
     prompts = data.extract_prompts([source], 5)
     assert prompts == ['class A:\n    """Doc line.', 'def f(self, x):\n    "Return x."']
     data.write_prompts(tmp_path / "p.txt", prompts)
-    assert data.read_prompt_file(tmp_path / "p.txt") == prompts
+    assert read_prompts(str(tmp_path / "p.txt")) == prompts
     jsonl = tmp_path / "q.jsonl"
     jsonl.write_text(json.dumps({"turns": ["first", "second"]}) + "\n" + json.dumps({"prompt": "p"}) + "\n")
-    assert data.read_prompt_file(jsonl) == ["first", "p"]
+    assert read_prompts(str(jsonl)) == ["first", "p"]
 
 
 def test_parse_arch_names_the_problem():
@@ -63,15 +66,31 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert train.lr_at(100, 100, 1.0, 10) == pytest.approx(train.FINAL_LR_FRACTION)
 
 
-def test_speculative_simulation_is_exact_and_counts_acceptance():
+def greedy(model, ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' plain greedy decoding, without a cache."""
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+def test_speculative_evaluation_is_exact_and_counts_acceptance(tmp_path):
     target, other = tiny_model(0), tiny_model(1)
+    for name, model in (("target", target), ("other", other)):
+        model.save_pretrained(tmp_path / name)
     prompts = [[1, 5, 9, 12], [1, 40, 41]]
-    same, outs = evaluate.speculative_acceptance(target, target, prompts, k=3, new_tokens=12)
-    assert same["acceptance"] == 1.0 and same["matches_greedy"] == 2
+    same, ids, outs = evaluate.speculative_acceptance(tmp_path / "target", tmp_path / "target", prompts, k=3,
+                                                      new_tokens=12)
+    assert ids == prompts and outs == [greedy(target, p, 12) for p in prompts]
+    assert same["acceptance"] == 1.0 and same["acceptance_by_position"] == [1.0] * 3 and same["matches_greedy"] == 2
     assert same["tokens_per_target_call"] == 4.0
-    diff, outs2 = evaluate.speculative_acceptance(target, other, prompts, k=3, new_tokens=12)
+    diff, _, outs2 = evaluate.speculative_acceptance(tmp_path / "target", tmp_path / "other", prompts, k=3,
+                                                     new_tokens=12)
     assert diff["matches_greedy"] == 2 and outs2 == outs  # a different draft never changes the output
     assert diff["acceptance"] < 1.0
+    by_position = diff["acceptance_by_position"]
+    assert by_position == sorted(by_position, reverse=True)  # position i is accepted only after 0..i-1
 
 
 def test_pool_is_the_targets_greedy_continuation_with_its_top_k():
@@ -84,7 +103,7 @@ def test_pool_is_the_targets_greedy_continuation_with_its_top_k():
     for row, length, prefix in zip(pool.tokens, pool.lengths, pool.prefix_lengths):
         prompt = row[:prefix].tolist()
         assert prompt[0] == data.BOS and (row[length:] == data.PAD).all()
-        assert row[prefix:length].tolist() == evaluate.greedy(target, prompt, 10)
+        assert row[prefix:length].tolist() == greedy(target, prompt, 10)
     i = 0
     L = pool.lengths[i]
     assert (pool.top_ids[i, pool.prefix_lengths[i] - 1: L - 1, 0] == pool.tokens[i, pool.prefix_lengths[i]: L]).all()
@@ -160,7 +179,7 @@ def test_whole_run_on_a_tiny_corpus(tmp_path):
     doc = (out / "doc.md").read_text()
     assert f"**{results['heldout']['target_loss']:.4f}**" in doc and f"{results['pair_bytes'] / 2**20:.1f} MiB" in doc
     assert results["command"].startswith("python -m bench.default_pair --stdlib") and results["command"] in doc
-    assert len(data.read_prompt_file(out / "prompts.txt")) == 3
+    assert len(read_prompts(str(out / "prompts.txt"))) == 3
     assert main(["--report-only", "--results", str(out / "results.json"), "--doc", str(out / "again.md")]) == 0
     assert (out / "again.md").read_text() == doc  # the doc can be rendered again from the saved results
 

@@ -18,6 +18,8 @@ from specdec import distributed
 from specdec.prompts import read_prompts
 from specdec.run import build_parser, main
 
+pytestmark = [pytest.mark.slow, pytest.mark.ray]  # not in the fast lane (pytest.ini)
+
 NUM_PROMPTS = 64
 DECODE = ["--method", "ragged", "--batch-size", "4", "-k", "3", "--max-tokens", "16", "--dtype", "float64",
           "--no-progress", "--samples", "0"]

@@ -5,9 +5,11 @@ import statistics
 
 import pytest
 
-from checkpoints import FAMILIES, make_pair
+from checkpoints import FAMILIES
 from specdec import LLM, SamplingParams
-from test_autok import SCRIPT, ScriptedChooser
+from choosers import SCRIPT, ScriptedChooser
+
+pytestmark = pytest.mark.slow  # not in the fast lane (pytest.ini)
 
 K_VALUES = (1, 3, 5)
 BATCH_SIZES = (1, 2, 3, 8, 16)
@@ -23,9 +25,9 @@ def mixed_prompts(n=24, vocab=131, seed=0):
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def setup(request, tmp_path_factory):
+def setup(request, checkpoint_pairs):
     family = request.param
-    target, draft = make_pair(family, tmp_path_factory.mktemp(family))
+    target, draft = checkpoint_pairs(family)
     prompts = mixed_prompts()
     reference = LLM(target, method="ar", batch_size=1, dtype="float64").generate(
         prompt_token_ids=prompts, sampling_params=PARAMS)

@@ -6,9 +6,11 @@ import random
 
 import pytest
 
-from checkpoints import FAMILIES, make_pair
+from checkpoints import FAMILIES
 from specdec import LLM, SamplingParams
 from specdec.strategies import exspec
+
+pytestmark = pytest.mark.slow  # not in the fast lane (pytest.ini)
 
 PARAMS = SamplingParams(max_tokens=48)
 VOCAB = 131
@@ -38,9 +40,9 @@ def exspec_llm(target, draft, k, batch_size, window_size, max_wait_steps=8, **op
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def setup(request, tmp_path_factory):
+def setup(request, checkpoint_pairs):
     family = request.param
-    target, draft = make_pair(family, tmp_path_factory.mktemp(family))
+    target, draft = checkpoint_pairs(family)
     prompts = mixed_prompts()
     return family, target, draft, prompts, ar(target, prompts)
 
@@ -52,7 +54,7 @@ def check_metrics(outs, k, reference, max_wait_steps):
     assert prefills >= 1 and m.draft_forwards == prefills + k * m.steps  # forwards counted like speculative_step
     assert 0 <= m.grouped_steps <= m.steps
     assert (m.phase_time_s["realign"] > 0) == (m.grouped_steps < m.steps)  # only mixed batches realign
-    assert max(o.max_wait_steps for o in outs) <= max_wait_steps
+    assert max(o.longest_wait_steps for o in outs) <= max_wait_steps
     assert m.row_steps == sum(len(o.accepted_counts) for o in outs)
     assert m.target_forwards < m.generated_tokens
 
@@ -70,8 +72,8 @@ def test_exspec_equals_ar(setup):
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return make_pair("llama", tmp_path_factory.mktemp("llama-extra"))
+def llama(llama_pair):
+    return llama_pair
 
 
 def test_same_length_prompts_group(llama, monkeypatch):
@@ -126,10 +128,10 @@ def test_bounded_wait_adversarial(llama):
     reference = ar(target, prompts, params)
     worst = float("inf")  # realign cost: any group beats a mixed batch, the worst case for waits
     for max_wait in (0, 2):
-        outs = exspec_llm(target, draft, 3, 4, 48, max_wait, realign_cost_per_row=worst).generate(
+        outs = exspec_llm(target, draft, 3, 4, 48, max_wait, realign_cost_ratio=worst).generate(
             prompt_token_ids=prompts, sampling_params=params)
         assert [o.token_ids for o in outs] == reference
-        waits = [o.max_wait_steps for o in outs]
+        waits = [o.longest_wait_steps for o in outs]
         assert max(waits) == max_wait, waits
     assert outs.metrics.grouped_steps > 0
 

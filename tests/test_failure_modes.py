@@ -11,7 +11,6 @@ import pytest
 
 import specdec.kernels.positions as positions
 import specdec.speculative as speculative
-from checkpoints import make_pair
 from specdec import LLM, SamplingParams
 from specdec.invariants import InvariantError
 
@@ -19,8 +18,8 @@ PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    target, draft = make_pair("llama", tmp_path_factory.mktemp("pair"))
+def pair(llama_pair):
+    target, draft = llama_pair
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 131) for _ in range(rng.randint(2, 30))] for _ in range(8)]
     reference = LLM(target, method="ar", batch_size=1, dtype="float64").generate(

@@ -1,10 +1,12 @@
-"""A decoding step reads the device at most twice (issue: the decode step without host round-trips).
+"""A decoding step reads the device exactly once (issue: the decode step without host round-trips; the
+Engine issue: steps that admit or abort requests included).
 
 Every read of a device value is counted: `aten._local_scalar_dense` / `aten.item` / `aten.is_nonzero`
 (what `int(t)`, `float(t)`, `bool(t)` and `t.item()` dispatch to; which one fires depends on inference
-mode) through a TorchDispatchMode, plus `Tensor.tolist`, which reads memory without dispatching. Prefill
-(admitting new requests) is not part of a step and is not counted. On a GPU each read would stall the
-launch queue; on the CPU the same count shows the step is planned from host-side numbers alone.
+mode) through a TorchDispatchMode, plus `Tensor.tolist`, which reads memory without dispatching. Each
+`Engine.step` may also admit requests: each prefill reads its first tokens once, and is counted apart
+(a step's reads = 1 if it decoded + 1 per prefill); an abort reads nothing. On a GPU each read would
+stall the launch queue; on the CPU the same count shows the step is planned from host-side numbers alone.
 """
 import random
 
@@ -12,10 +14,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import specdec.engine as engine_module
 import specdec.strategies.continuous as continuous
-import specdec.strategies.eqspec as eqspec
 import specdec.strategies.exspec as exspec
-from checkpoints import make_pair
 from specdec import LLM, SamplingParams
 
 SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero"}
@@ -34,8 +35,8 @@ class SyncCounter(TorchDispatchMode):
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return make_pair("llama", tmp_path_factory.mktemp("sync"))
+def pair(llama_pair):
+    return llama_pair
 
 
 def mixed_requests(n=8, seed=0):
@@ -46,10 +47,11 @@ def mixed_requests(n=8, seed=0):
     return prompts, params
 
 
-def syncs_per_step(llm, prompts, params, monkeypatch):
-    """Device reads in each step of a run (prefill excluded), one entry per step."""
+def reads_per_step(llm, prompts, params, monkeypatch, arrive_at=None, abort_at=None):
+    """(device reads, prefills, decoded) of every Engine.step of a run; request i joins at step
+    arrive_at[i] (default 0) and is aborted at abort_at[i]."""
     counter = SyncCounter()
-    boundaries = []
+    prefills = [0]
     original_tolist = torch.Tensor.tolist
 
     def counted_tolist(self):
@@ -57,64 +59,72 @@ def syncs_per_step(llm, prompts, params, monkeypatch):
             counter.count += 1
         return original_tolist(self)
 
-    def paused(fn):
+    def counted_prefill(fn):
         def wrapper(*args, **kwargs):
-            counter.paused += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                counter.paused -= 1
-        return wrapper
-
-    def marked(fn):
-        def wrapper(*args, **kwargs):
-            boundaries.append(counter.count)
+            prefills[0] += 1
             return fn(*args, **kwargs)
         return wrapper
 
-    for module in (continuous, eqspec):
-        monkeypatch.setattr(module, "prefill", paused(module.prefill))
-    for module in (continuous, eqspec, exspec):
-        monkeypatch.setattr(module, "decode_step", marked(module.decode_step))
+    for module in (continuous, exspec):
+        monkeypatch.setattr(module, "prefill", counted_prefill(module.prefill))
     monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    arrive_at = arrive_at or [0] * len(prompts)
+    abort_at = abort_at or {}
+    engine = llm.engine()
+    steps = []
     with counter:
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    boundaries.append(counter.count)
-    per_step = [b - a for a, b in zip(boundaries, boundaries[1:])]
-    assert len(per_step) == outs.metrics.steps
-    return per_step
+        for step in range(10_000):
+            for i, when in enumerate(arrive_at):
+                if when == step:
+                    engine.add_request(prompts[i], params[i], request_id=str(i))
+            for i, when in abort_at.items():
+                if when == step:
+                    engine.abort(str(i))
+            before = (counter.count, prefills[0], engine.metrics.steps)
+            engine.step()
+            steps.append((counter.count - before[0], prefills[0] - before[1], engine.metrics.steps - before[2]))
+            if step >= max(arrive_at) and not engine.has_unfinished():
+                return steps
+    raise AssertionError("did not finish")
 
 
 @pytest.mark.parametrize("method", ["eqspec", "ragged", "exspec"])
 @pytest.mark.parametrize("k", [5, "auto"])
-def test_at_most_two_device_reads_per_step(pair, method, k, monkeypatch):
+def test_one_device_read_per_step(pair, method, k, monkeypatch):
     target, draft = pair
     prompts, params = mixed_requests()
     llm = LLM(target, draft, method=method, num_speculative_tokens=k, batch_size=8, dtype="float32",
               check_invariants=False, cost_cache="")
-    per_step = syncs_per_step(llm, prompts, params, monkeypatch)
-    assert max(per_step) <= 2, f"{method} k={k}: device reads per step {per_step}"
-    assert min(per_step) >= 1  # the step's one read of its results is seen: the counter works
+    steps = reads_per_step(llm, prompts, params, monkeypatch)
+    assert all(reads == decoded + prefills for reads, prefills, decoded in steps), f"{method} k={k}: {steps}"
+    assert sum(d for _, _, d in steps) > 5 and any(p == 0 and d == 1 for _, p, d in steps)
 
 
-def test_ar_reads_the_device_once_per_step(pair, monkeypatch):
-    target, _ = pair
-    prompts, params = mixed_requests()
-    llm = LLM(target, method="ar", batch_size=8, dtype="float32", check_invariants=False)
-    assert set(syncs_per_step(llm, prompts, params, monkeypatch)) == {1}
+@pytest.mark.parametrize("method", ["ar", "eqspec", "ragged", "exspec"])
+def test_admitting_and_aborting_steps_read_once_more_per_prefill(pair, method, monkeypatch):
+    """Requests arriving and aborted mid-run: a step reads once for its decode, once per prefill it ran."""
+    target, draft = pair
+    prompts, params = mixed_requests(n=12, seed=1)
+    arrive_at = [0, 0, 0, 2, 3, 3, 5, 8, 8, 9, 12, 15]
+    llm = LLM(target, None if method == "ar" else draft, method=method, num_speculative_tokens=3, batch_size=4,
+              dtype="float32", check_invariants=False, cost_cache="")
+    steps = reads_per_step(llm, prompts, params, monkeypatch, arrive_at, abort_at={1: 2, 4: 4, 9: 9})
+    assert all(reads == decoded + prefills for reads, prefills, decoded in steps), f"{method}: {steps}"
+    assert any(p > 0 and d == 1 for _, p, d in steps)  # steps that admitted and decoded were seen
 
 
 def test_counter_sees_a_hidden_read(pair, monkeypatch):
     """The counter has teeth: a `bool(tensor)` slipped into the step is counted."""
     target, draft = pair
     prompts, params = mixed_requests()
-    original = exspec.decode_step
+    original = engine_module.decode_step
 
     def with_hidden_read(ctx, batch):
         bool((batch.seq_len > 0).all())
         return original(ctx, batch)
 
-    monkeypatch.setattr(exspec, "decode_step", with_hidden_read)
+    monkeypatch.setattr(engine_module, "decode_step", with_hidden_read)
     llm = LLM(target, draft, method="exspec", num_speculative_tokens=5, batch_size=8, dtype="float32",
               check_invariants=False)
-    assert min(syncs_per_step(llm, prompts, params, monkeypatch)) >= 2  # the read plus the hidden one
+    steps = reads_per_step(llm, prompts, params, monkeypatch)
+    assert all(reads == decoded + prefills + decoded for reads, prefills, decoded in steps)

@@ -21,11 +21,12 @@ from hypothesis import strategies as st  # noqa: E402
 
 from specdec.kernels import dispatch  # noqa: E402
 from specdec.kernels import kv_append as kva  # noqa: E402
+from specdec.kernels import noise as nse  # noqa: E402
 from specdec.kernels import positions as pos  # noqa: E402
 from specdec.kernels import realign as rea  # noqa: E402
 from specdec.kernels import rejection as rej  # noqa: E402
 
-MODULES = (pos, kva, rea, rej)
+MODULES = (pos, kva, rea, rej, nse)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = dispatch.triton_available()
 DEVICE = "cuda" if (not INTERPRET and torch.cuda.is_available()) else "cpu"
@@ -427,7 +428,12 @@ def test_rejection_random(data):
     V = data.draw(st.sampled_from([3, 17, 100, 2049]))
     kw = _sample_case(B, k, V, seed=data.draw(st.integers(0, 10_000)), sparse=data.draw(st.booleans()),
                       probs_dtype=data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float64])))
-    _check_rejection(**kw)
+    _, accepted = _check_rejection(**kw)
+    # random_slot (what the runtime keys a row's residual noise by) is the slot the sampler emits at
+    ok = torch.ones(B, dtype=torch.bool, device=DEVICE)
+    slot = rej.random_slot(kw["draft_ids"], kw["target_probs"], kw["draft_probs"], kw["uniforms"], ok)
+    random_rows = ~kw["is_greedy"]
+    assert torch.equal(slot[random_rows], accepted[random_rows])
 
 
 def test_rejection_reference_converges_to_target():
@@ -443,6 +449,70 @@ def test_rejection_reference_converges_to_target():
         noise=torch.empty(N, V, dtype=torch.float64).exponential_(generator=g), backend="torch")
     freq = torch.bincount(out[:, 0], minlength=V).double() / N
     assert (freq - p).abs().max() < 0.006, freq
+
+
+# ----------------------------------------------------------------------------------------- noise
+
+
+def test_philox_matches_the_random123_known_answer():
+    """Philox4x32-10, counter 0 and key 0 (Random123's kat_vectors): the torch reference is Philox itself."""
+    zero = torch.zeros((), dtype=torch.int64)
+    assert [int(w) for w in nse.philox4x32(zero, zero, zero)] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+
+
+@needs_triton
+@FEW
+@given(data=st.data())
+def test_noise_triton_bits_equal_the_reference(data):
+    B, count = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))
+    width = data.draw(st.sampled_from([1, 2, 7, 131, 1025, 2500]))
+    seeds = _t([data.draw(st.integers(-(1 << 63), (1 << 63) - 1)) for _ in range(B)])
+    top = nse.MAX_POSITION - count
+    positions = _t([data.draw(st.sampled_from([0, 1, 517, top])) for _ in range(B)])
+    stream = data.draw(st.sampled_from(nse.STREAMS))
+    a = nse.uniform_noise(seeds, positions, count, width, stream, backend="triton")
+    b = nse.uniform_noise(seeds, positions, count, width, stream, backend="torch")
+    assert a.shape == (B, count, width) and a.dtype == torch.float64
+    assert torch.equal(a, b)
+    for dtype in (torch.float32, torch.float64):
+        assert torch.equal(nse.exponential_noise(seeds, positions, count, width, stream, dtype, backend="triton"),
+                           nse.exponential_noise(seeds, positions, count, width, stream, dtype, backend="torch"))
+
+
+def test_noise_is_keyed_by_seed_position_stream_and_index_only():
+    seeds, positions = _t([3, -7, 3]), _t([10, 10, 40])
+    u = nse.uniform_noise(seeds, positions, 5, 300, nse.RACE, backend="torch")  # [3, 5, 300]
+    shifted = nse.uniform_noise(seeds, positions + 2, 3, 300, nse.RACE, backend="torch")
+    assert torch.equal(u[:, 2:], shifted)  # column j of position p is column 0 of position p + j
+    alone = nse.uniform_noise(seeds[1:2], positions[1:2], 5, 40, nse.RACE, backend="torch")
+    assert torch.equal(u[1:2, :, :40], alone)  # neither the batch nor the width matters
+    assert torch.equal(u[0, 0], nse.uniform_noise(_t([3]), _t([10]), 1, 300, nse.RACE, backend="torch")[0, 0])
+    assert not torch.equal(u[0], u[1])  # another seed
+    assert not torch.equal(u[0, 0], u[2, 0])  # another position, same seed
+    other = nse.uniform_noise(seeds, positions, 5, 300, nse.RESIDUAL, backend="torch")
+    assert (other != u).float().mean() > 0.99  # another stream
+
+
+def test_noise_is_uniform_and_exponential():
+    seeds = torch.arange(64, dtype=torch.int64) * 0x9E3779B97F4A7C15 % (1 << 62)
+    u = nse.uniform_noise(seeds, torch.arange(64, dtype=torch.int64), 4, 1000, nse.RACE, backend="torch").flatten()
+    assert 0 < float(u.min()) and float(u.max()) <= 1
+    sorted_u = u.sort().values
+    ks = float((sorted_u - torch.arange(1, len(u) + 1, dtype=torch.float64) / len(u)).abs().max())
+    assert ks < 1.63 / len(u) ** 0.5  # Kolmogorov-Smirnov at 1 %
+    e = nse.exponential_noise(seeds, torch.zeros(64, dtype=torch.int64), 4, 1000, nse.ACCEPT, torch.float32,
+                              backend="torch")
+    assert e.dtype == torch.float32 and float(e.min()) > 0
+    assert abs(float(e.double().mean()) - 1) < 0.01 and abs(float(e.double().var()) - 1) < 0.03
+
+
+def test_noise_rejects_bad_arguments():
+    s = torch.zeros(2, dtype=torch.int64)
+    for args, kw, name in [((s.int(), s, 1, 4, 0), {}, "seeds"), ((s, s[:1], 1, 4, 0), {}, "positions"),
+                           ((s, s, 0, 4, 0), {}, "count"), ((s, s, 1, 4, 3), {}, "stream"),
+                           ((s, s, 2, 4, 0), {"host_max_position": 1 << 28}, "positions must be < 2\\*\\*28")]:
+        with pytest.raises(ValueError, match=name):
+            nse.uniform_noise(*args, **kw, backend="torch")
 
 
 # ----------------------------------------------------------------------------------------- validation
@@ -525,7 +595,8 @@ def test_realign_rejects_bad_arguments():
 def spies(monkeypatch):
     """Replace every wrapper's two implementations with recorders."""
     calls = []
-    for mod, name in ((pos, "step_plan"), (kva, "kv_append"), (rea, "realign"), (rej, "rejection_sample")):
+    for mod, name in ((pos, "step_plan"), (kva, "kv_append"), (rea, "realign"), (rej, "rejection_sample"),
+                      (nse, "uniform_noise")):
         ref = getattr(mod, f"{name}_reference")
         for path in ("triton", "reference"):
             def spy(*args, _ref=ref, _name=name, _path=path, **kwargs):
@@ -544,6 +615,7 @@ def _call_all(backend=None):
                   backend=backend)
     rea.realign([(torch.zeros(1, 2, 1, 4, 3), torch.zeros(1, 2, 1, 4, 3))], s, s, s, backend=backend)
     rej.rejection_sample(torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64), backend=backend)
+    nse.uniform_noise(s, s, 2, 3, nse.RACE, backend=backend)
 
 
 @pytest.mark.parametrize("env,backend,expected", [
@@ -558,7 +630,7 @@ def test_backend_selection(monkeypatch, spies, env, backend, expected):
     else:
         monkeypatch.setenv("SPECDEC_KERNELS", env)
     _call_all(backend)
-    assert spies == [(n, expected) for n in ("step_plan", "kv_append", "realign", "rejection_sample")]
+    assert spies == [(n, expected) for n in ("step_plan", "kv_append", "realign", "rejection_sample", "uniform_noise")]
 
 
 def test_backend_errors(monkeypatch):
@@ -639,6 +711,7 @@ def compile_all_for_sm90():
             rej.rejection_sample_triton(d, ta, None, None, g, None, None),
             rej.rejection_sample_triton(d, None, tp.float(), dp.double(), g, u, z.double())))
         assert "div.rn.f64" in ptx[0]  # the race divides in IEEE float64
+        _compile_recorded(patches, nse, "_uniform_kernel", lambda: nse.uniform_noise_triton(s, s, 3, 2500, nse.RESIDUAL))
     print("compiled all kernels for sm_90")
 
 

@@ -10,8 +10,8 @@ from specdec.models import CheckpointError
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return make_pair("llama", tmp_path_factory.mktemp("pair"))
+def pair(llama_pair):
+    return llama_pair
 
 
 def test_method_and_k_and_batch_size(pair):
@@ -30,7 +30,7 @@ def test_method_and_k_and_batch_size(pair):
 def test_mismatched_vocabularies(tmp_path, pair):
     target, _ = pair
     other = make_checkpoint("llama", tmp_path / "other", vocab_size=200)
-    with pytest.raises(CheckpointError, match="vocabulary sizes differ"):
+    with pytest.raises(CheckpointError, match=r"draft \S+ has a vocabulary of 200 ids and target \S+ one of 131"):
         LLM(target, other)
 
 
@@ -80,3 +80,19 @@ def test_sampling_params_validation():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_api_types_are_checked_at_the_door(pair):
+    """Issue 26: wrong types are refused where they enter, naming the argument and the prompt."""
+    target, draft = pair
+    with pytest.raises(ValueError, match="batch_size must be an integer"):
+        LLM(target, draft, batch_size=2.5)
+    llm = LLM(target, draft, num_speculative_tokens=2)
+    with pytest.raises(TypeError, match="prompt 0 has a token id that is not an integer: 2.7"):
+        llm.generate(prompt_token_ids=[[5, 2.7]])
+    with pytest.raises(TypeError, match="prompt 1 must be a string, got int"):
+        llm.generate(["ok", 7])
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them, got dict"):
+        llm.generate(prompt_token_ids=[[5, 6]], sampling_params={"max_tokens": 3})
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] must be a SamplingParams"):
+        llm.generate(prompt_token_ids=[[5, 6], [7]], sampling_params=[SamplingParams(), None])

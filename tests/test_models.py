@@ -19,10 +19,11 @@ import torch
 from checkpoints import FAMILIES, build_hf_model, save_checkpoint
 from safetensors import safe_open
 
+from specdec.models.cache import LEFT_PADDED, RAGGED
 from specdec.models import ModelConfig, Transformer, load_model
 
 TOL = 1e-4  # max abs logit difference vs HF, float32
-LAYOUTS = ("left", "ragged")
+LAYOUTS = (LEFT_PADDED, RAGGED)
 PROMPT_LENGTHS = (7, 3, 1, 5)
 GREEDY_NEW = 32
 
@@ -40,7 +41,7 @@ def prefill(model: Transformer, prompts, layout: str, capacity: int = 64, logits
     B, W = len(prompts), max(map(len, prompts))
     ids = torch.zeros(B, W, dtype=torch.long)  # [B, W], pad id 0
     for i, p in enumerate(prompts):
-        if layout == "left":
+        if layout == LEFT_PADDED:
             ids[i, W - len(p):] = torch.tensor(p)
         else:
             ids[i, : len(p)] = torch.tensor(p)
@@ -53,7 +54,7 @@ def prefill(model: Transformer, prompts, layout: str, capacity: int = 64, logits
 
 def real_rows(out, prompts, layout: str, W: int) -> list[torch.Tensor]:
     """The logits of the real (non-padding) positions of each row of a prefill output [B, W, V]."""
-    return [out[i, W - len(p):] if layout == "left" else out[i, : len(p)] for i, p in enumerate(prompts)]
+    return [out[i, W - len(p):] if layout == LEFT_PADDED else out[i, : len(p)] for i, p in enumerate(prompts)]
 
 
 @torch.no_grad()
@@ -88,7 +89,7 @@ def run_steps(model, prompts, layout: str, seed: int = 1, ragged_partial: bool =
         for i in range(B):
             seqs[i] += new[i].tolist()
             ours[i] += list(out[i])
-    if layout == "ragged" and ragged_partial:
+    if layout == RAGGED and ragged_partial:
         num_new = torch.tensor([6, 1, 3, 2][:B])  # a verify-like step: row i keeps num_new[i] of 6 slots
         new = torch.randint(3, vocab, (B, 6), generator=g)
         out = model(new, cache, num_new=num_new)
@@ -118,7 +119,7 @@ def edit_config(src: str, dst: str, edit) -> str:
 
 
 @torch.no_grad()
-def logits_of(model, prompts, layout="ragged") -> torch.Tensor:
+def logits_of(model, prompts, layout=RAGGED) -> torch.Tensor:
     """Prefill + one 6-token step; all real logits of all rows concatenated [sum N, V]."""
     seqs, ours = run_steps(model, prompts, layout, ragged_partial=False)
     return torch.cat(ours)
@@ -221,8 +222,8 @@ def test_fused_projections_compute_the_same(family_ckpt):
         path = family_ckpt(family)[1]
         fused, plain = load_model(path, dtype="float64"), load_model(path, dtype="float64", fuse=False)
         ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
-        a = fused(ids, fused.new_cache(2, 8, "ragged"))
-        b = plain(ids, plain.new_cache(2, 8, "ragged"))
+        a = fused(ids, fused.new_cache(2, 8, RAGGED))
+        b = plain(ids, plain.new_cache(2, 8, RAGGED))
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
@@ -244,7 +245,7 @@ def test_logits_last_is_last_real_position(family_ckpt, family, layout):
     last = model(new, cache_last, logits="last")
     torch.testing.assert_close(last[:, 0], full[:, -1], rtol=0, atol=1e-5)
 
-    if layout == "ragged":  # fewer real tokens than slots: the last *real* one, not slot T-1
+    if layout == RAGGED:  # fewer real tokens than slots: the last *real* one, not slot T-1
         num_new = torch.tensor([2, 6, 1, 4])
         new = torch.randint(3, model.vocab_size, (B, 6), generator=torch.Generator().manual_seed(5))
         full = model(new, cache_all, num_new=num_new)
@@ -326,7 +327,7 @@ def test_rope_theta_top_level_or_nested(llama_variants):
     ref = logits_of(nested, prompts)
     assert torch.equal(logits_of(top, prompts), ref)
     assert (logits_of(absent, prompts) - ref).abs().max() > 1e-2  # the test can see a wrong theta
-    seqs, ours = run_steps(nested, prompts, "left")
+    seqs, ours = run_steps(nested, prompts, LEFT_PADDED)
     assert max_err_vs_hf(hf, seqs, ours) <= TOL
 
 

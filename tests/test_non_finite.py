@@ -7,7 +7,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoints import make_pair
 from specdec import LLM, SamplingParams
 from specdec.batch import NonFiniteLogitsError
 from specdec.models import load_model
@@ -16,8 +15,8 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return make_pair("llama", tmp_path_factory.mktemp("nan"))
+def pair(llama_pair):
+    return llama_pair
 
 
 def poisoned_copy(src, dst, key, index=None):

@@ -6,9 +6,10 @@ import sys
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-sys.path.insert(0, BENCH)
-import peers  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from bench import peers  # noqa: E402
+
+pytestmark = pytest.mark.slow  # not in the fast lane (pytest.ini)
 
 
 def test_quick_run_outputs(tmp_path, capsys):

@@ -269,11 +269,14 @@ def test_failing_final_write_keeps_the_complete_partial(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
-def test_interrupt_removes_the_temporaries(tmp_path, interrupt):
+def test_interrupt_keeps_the_finished_requests_as_an_error_does(tmp_path, interrupt):
+    """Issue 26: an interrupt keeps the partial file like any other failure (it used to remove it)."""
     path = tmp_path / "out.jsonl"
     path.write_text("previous run\n")
-    with pytest.raises(interrupt):
+    with pytest.raises(interrupt) as info:
         with JsonlOutput.open(str(path)) as out:
             out.write(OUTPUTS[0], PROMPTS[0])
             raise interrupt()
-    assert os.listdir(tmp_path) == ["out.jsonl"] and path.read_text() == "previous run\n"
+    partial, lines = info.value.specdec_partial
+    assert hidden(tmp_path) == [os.path.basename(partial)] and indexes(partial) == [0] and lines == 1
+    assert path.read_text() == "previous run\n"

@@ -4,9 +4,12 @@ import json
 import os
 import sys
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-sys.path.insert(0, BENCH)
-import throughput  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from bench import throughput  # noqa: E402
+
+import pytest
+
+pytestmark = pytest.mark.slow  # not in the fast lane (pytest.ini)
 
 
 def run_part(tmp_path, pair_dir, batch_sizes: str, name: str) -> str:

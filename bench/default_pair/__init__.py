@@ -8,8 +8,8 @@
 4. train.py, draft: a much shallower LlamaForCausalLM trained on the pool only (cross-entropy against the
    target's top-k distribution and against its argmax), so distillation needs no target forward.
 5. evaluate.py: held-out losses of the saved bfloat16 pair, teacher-forced agreement, and greedy speculative
-   decoding simulated at batch 1 (acceptance at k = 5, tokens per target call) on the held-out prompts and,
-   with --specbench, on SpecBench prompts.
+   decoding at batch 1 in specdec's runtime (`specdec.LLM`, eqspec: acceptance at k = 5, overall and by draft
+   position, tokens per target call) on the held-out prompts and, with --specbench, on SpecBench prompts.
 6. checkpoint.py saves both as ordinary HF directories (bfloat16 safetensors, config, tokenizer files);
    report.py writes docs/default_pair.md from template.md with every number of the run, which is also kept as
    results.json (`--report-only` renders the doc again from it).
@@ -21,7 +21,7 @@ Step and sequence counts are fitted to the --minutes-* budgets on the machine th
 shared), unless given with --target-steps / --pool-seqs / --draft-steps: then a run is deterministic given
 --seed, up to floating-point nondeterminism of multi-threaded CPU kernels.
 
-The shipped pair (from the repository root, or `python bench/default_pair ...`; 73 minutes on two shared
+The shipped pair (from the repository root; 73 minutes on two shared
 CPU cores: budgets of 55 + 8 + 12 minutes for target, pool and draft, plus tokenizer and evaluation):
 
     python -m bench.default_pair --specbench /path/to/spec_bench/question.jsonl

@@ -1,23 +1,16 @@
-"""Train specdec's default target/draft pair: `python -m bench.default_pair` from the repository root
-(`python bench/default_pair` works too). See __init__.py for the recipe and --help for every flag."""
+"""Train specdec's default target/draft pair: `python -m bench.default_pair` from the repository root. See
+__init__.py for the recipe and --help for every flag."""
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
 import sys
 import sysconfig
 from pathlib import Path
 
-# Small forwards on a shared, oversubscribed CPU are ~10x slower with OpenMP's default spin-waiting.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from bench.common import command_line
 
-if not __package__:  # `python bench/default_pair`: import the folder as the package `default_pair`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    __package__ = "default_pair"
-
-from . import __doc__ as RECIPE  # noqa: E402
-from .pipeline import REPO  # noqa: E402
+from . import __doc__ as RECIPE
+from .pipeline import REPO
 
 TARGET_ARCH = "hidden=384,layers=8,heads=6,kv_heads=2,ffn=1024"
 DRAFT_ARCH = "hidden=256,layers=2,heads=4,kv_heads=2,ffn=768"
@@ -145,8 +138,7 @@ def main(argv=None) -> int:
             parse_arch(getattr(args, flag))
         except ValueError as err:
             parser.error(f"--{flag.replace('_', '-')}: {err}")
-    command = " ".join(["python -m bench.default_pair"] + [shlex.quote(a) for a in
-                                                            (sys.argv[1:] if argv is None else argv)])
+    command = command_line("bench.default_pair", argv)
     from .pipeline import run
 
     run(args, command)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import ast
 import io
-import json
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,24 +216,3 @@ def write_prompts(path: Path, prompts: list[str]) -> None:
         f.write(PROMPTS_HEADER + "\n")
         for p in prompts:
             f.write(p.replace("\n", "\\n") + "\n")
-
-
-def read_prompt_file(path: Path, count: int | None = None) -> list[str]:
-    """Prompts as `python -m specdec.run --prompts` reads them: `.txt` one per line (`#` comments, `\\n` =
-    newline) or `.jsonl` with a `prompt` string or SpecBench `turns` (the first turn). Kept here rather than
-    imported so that training does not depend on the runtime package."""
-    prompts = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip() or (path.suffix != ".jsonl" and line.startswith("#")):
-            continue
-        if path.suffix != ".jsonl":
-            prompts.append(line.replace("\\n", "\n"))
-            continue
-        record = json.loads(line)
-        if isinstance(record.get("prompt"), str):
-            prompts.append(record["prompt"])
-        elif isinstance(record.get("turns"), list) and record["turns"]:
-            prompts.append(str(record["turns"][0]))
-        else:
-            raise SystemExit(f"{path}:{number}: expected a 'prompt' string or a non-empty 'turns' list")
-    return prompts if count is None else prompts[:count]

@@ -1,5 +1,5 @@
-"""Evaluation of the saved pair (transformers, float32 compute): held-out losses, teacher-forced agreement,
-and greedy speculative decoding simulated at batch 1 (acceptance, tokens per target call)."""
+"""Evaluation of the saved pair (float32 compute): held-out losses and teacher-forced agreement (transformers),
+and greedy speculative decoding at batch 1 in specdec's runtime (acceptance, tokens per target call)."""
 from __future__ import annotations
 
 import numpy as np
@@ -28,58 +28,31 @@ def heldout_eval(target, draft, windows: list[np.ndarray]) -> dict:
             "top1_agreement": agree / count, "tokens": count, "windows": len(windows)}
 
 
-def _feed(model, cache, seq: list[int]) -> torch.Tensor:
-    """Run `model` on the tokens of `seq` that `cache` has not seen yet; their logits [n, V]."""
-    seen = cache.get_seq_length()
-    return model(input_ids=torch.tensor([seq[seen:]]), cache=cache, use_cache=True).logits[0]
+def speculative_acceptance(target_dir, draft_dir, prompt_ids: list[list[int]], k: int, new_tokens: int):
+    """Greedy speculative decoding (eqspec, batch 1, fixed k, EOS ignored, float32) of every prompt in specdec's
+    runtime, against its AR decoding: acceptance overall and by draft position (from each request's
+    `accepted_counts`), tokens per verification (target) step, and how many outputs equal AR's. Prompts longer
+    than the context leaves are cut to their first tokens. Returns (stats, the prompts as run, the target's greedy
+    outputs)."""
+    from specdec import LLM, SamplingParams
 
-
-@torch.no_grad()
-def greedy(model, ids: list[int], new_tokens: int) -> list[int]:
-    """Plain greedy decoding with a KV cache (EOS not special)."""
-    from transformers import DynamicCache
-
-    cache, seq = DynamicCache(), list(ids)
-    while len(seq) < len(ids) + new_tokens:
-        seq.append(int(_feed(model, cache, seq)[-1].argmax()))
-    return seq[len(ids):]
-
-
-@torch.no_grad()
-def speculative_acceptance(target, draft, prompt_ids: list[list[int]], k: int, new_tokens: int):
-    """Greedy speculative decoding per prompt (batch 1, KV caches, EOS ignored): the draft proposes k tokens
-    greedily, one target forward scores them, the longest prefix equal to the target's own greedy choices is
-    accepted and the target's next token appended. Returns (stats, generated token lists); the output is
-    checked against plain greedy decoding of the target."""
-    from transformers import DynamicCache
-
-    proposed = accepted = calls = exact = 0
-    outputs = []
-    for ids in prompt_ids:
-        seq = list(ids)
-        t_cache, d_cache = DynamicCache(), DynamicCache()
-        while len(seq) < len(ids) + new_tokens:
-            guess = []
-            for _ in range(k):
-                guess.append(int(_feed(draft, d_cache, seq + guess)[-1].argmax()))
-            fed = len(seq) + k - t_cache.get_seq_length()
-            choice = _feed(target, t_cache, seq + guess)[fed - k - 1:].argmax(-1).tolist()  # after seq[-1], g1..gk
-            n = 0
-            while n < k and guess[n] == choice[n]:
-                n += 1
-            proposed, accepted, calls = proposed + k, accepted + n, calls + 1
-            seq += guess[:n] + [choice[n]]
-            for cache in (t_cache, d_cache):  # keep entries for accepted tokens only (all but the newest)
-                extra = cache.get_seq_length() - (len(seq) - 1)
-                if extra > 0:
-                    cache.crop(-extra)  # transformers 5: a negative count drops that many newest entries
-        out = seq[len(ids): len(ids) + new_tokens]
-        exact += out == greedy(target, ids, new_tokens)
-        outputs.append(out)
-    stats = {"acceptance": accepted / proposed, "accepted": accepted, "proposed": proposed, "target_calls": calls,
-             "tokens_per_target_call": (accepted + calls) / calls, "matches_greedy": exact,
-             "prompts": len(prompt_ids), "k": k, "new_tokens": new_tokens}
-    return stats, outputs
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    spec = LLM(str(target_dir), str(draft_dir), method="eqspec", num_speculative_tokens=k, batch_size=1,
+               dtype="float32")
+    ar = LLM(spec.target, method="ar", batch_size=1, dtype="float32", tokenizer=spec.tokenizer)
+    limit = spec.max_context - new_tokens - k - 1
+    ids = [p[:limit] for p in prompt_ids]
+    greedy = [o.token_ids for o in ar.generate(prompt_token_ids=ids, sampling_params=params)]
+    outs = spec.generate(prompt_token_ids=ids, sampling_params=params)
+    counts = [n for o in outs for n in o.accepted_counts]  # accepted drafts per verification step
+    ks = [s for o in outs for s in o.speculative_tokens if s > 0]  # drafts proposed per step
+    accepted, proposed = sum(counts), sum(ks)
+    stats = {"acceptance": accepted / proposed, "accepted": accepted, "proposed": proposed,
+             "acceptance_by_position": [sum(n > i for n in counts) / max(1, sum(s > i for s in ks)) for i in range(k)],
+             "target_calls": len(counts), "tokens_per_target_call": (accepted + len(counts)) / len(counts),
+             "matches_greedy": sum(o.token_ids == g for o, g in zip(outs, greedy)), "prompts": len(ids),
+             "prompts_cut": sum(len(p) > limit for p in prompt_ids), "k": k, "new_tokens": new_tokens}
+    return stats, ids, greedy
 
 
 @torch.no_grad()

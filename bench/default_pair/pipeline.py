@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from bench.common import machine
+from specdec.prompts import read_prompts
 
 from . import checkpoint, data, evaluate, report, train
 from .train import log
@@ -90,8 +92,8 @@ def run(args, command: str) -> dict:
 
     if not reuse:
         data.write_prompts(args.prompts_out, data.extract_prompts(corpus.held_texts, args.num_prompts))
-    prompts = data.read_prompt_file(args.prompts_out)
-    bench_prompts = data.read_prompt_file(args.specbench, args.specbench_count) if args.specbench else []
+    prompts = read_prompts(str(args.prompts_out))
+    bench_prompts = read_prompts(str(args.specbench))[: args.specbench_count] if args.specbench else []
 
     # target: trained here, or the saved one (--reuse-target)
     draft_arch = checkpoint.parse_arch(args.draft_arch)
@@ -143,12 +145,13 @@ def run(args, command: str) -> dict:
     heldout = evaluate.heldout_eval(target, draft, held_windows)
     log(f"held-out: {heldout}")
     prompt_ids = [[data.BOS] + sp.encode(p) for p in prompts]
-    spec_held, outputs = evaluate.speculative_acceptance(target, draft, prompt_ids, args.k, args.new_tokens)
+    spec_held, prompt_ids, outputs = evaluate.speculative_acceptance(t_dir, d_dir, prompt_ids, args.k,
+                                                                     args.new_tokens)
     log(f"held-out prompts: {spec_held}")
     spec = {"heldout": spec_held}
     if bench_prompts:
         bench_ids = [[data.BOS] + sp.encode(p) for p in bench_prompts]
-        spec["specbench"] = evaluate.speculative_acceptance(target, draft, bench_ids, args.k, args.new_tokens)[0]
+        spec["specbench"] = evaluate.speculative_acceptance(t_dir, d_dir, bench_ids, args.k, args.new_tokens)[0]
         spec["specbench"]["prompt_tokens_median"] = int(np.median([len(p) for p in bench_ids]))
         log(f"SpecBench prompts: {spec['specbench']}")
     greedy_agreement = evaluate.agreement_on_greedy(target, draft, prompt_ids, outputs)
@@ -164,9 +167,7 @@ def run(args, command: str) -> dict:
         "command": command,
         "runs": (target_runs(record) if reuse else []) + [this_run],
         "target_args": record["args"] if reuse else None,
-        "env": {"python": platform.python_version(), "torch": torch.__version__,
-                "transformers": transformers.__version__, "sentencepiece": spm.__version__,
-                "cpu": platform.processor() or platform.machine()},
+        "env": {**machine(), "transformers": transformers.__version__, "sentencepiece": spm.__version__},
         "data": {"stdlib": str(corpus.root), "n_files": len(corpus.files), "n_train": len(corpus.train_texts),
                  "n_held": len(corpus.held_texts), "total_chars": corpus.total_chars,
                  "held_chars": sum(map(len, corpus.held_texts)), "train_chars": sum(map(len, corpus.train_texts)),

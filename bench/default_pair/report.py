@@ -38,9 +38,10 @@ def _minutes(seconds: float) -> str:
 
 def _spec_row(name: str, s: dict | None) -> str:
     if s is None:
-        return f"| {name} | not measured (no prompt file given) | | | |"
+        return f"| {name} | not measured (no prompt file given) | | | | |"
+    by_position = " / ".join(f"{a:.2f}" for a in s.get("acceptance_by_position", [])) or "–"
     return (f"| {name} | {s['prompts']} | **{s['acceptance']:.3f}** ({s['accepted']:,} of {s['proposed']:,}) | "
-            f"{s['tokens_per_target_call']:.2f} | {s['matches_greedy']} of {s['prompts']} |")
+            f"{by_position} | {s['tokens_per_target_call']:.2f} | {s['matches_greedy']} of {s['prompts']} |")
 
 
 RUN_KINDS = {"full": "tokenizer, target, pool and draft", "draft-only": "draft only (`--reuse-target`)"}

@@ -24,7 +24,11 @@ from pathlib import Path
 
 import torch
 
-from .data import read_prompt_file
+from bench.common import command_line, fmt_spread, interleave, k_text, machine_line
+from specdec.flags import k_value
+from specdec.prompts import read_prompts
+from specdec.timing import PrefilledCache
+
 from .pipeline import REPO
 
 ASSETS = REPO / "specdec/assets"
@@ -53,10 +57,6 @@ def parse_args(argv=None):
     return args
 
 
-def k_value(text: str):
-    return "auto" if text.strip().lower() == "auto" else int(text)
-
-
 def draft_names(drafts: list[str]) -> list[str]:
     """Short unique labels for the drafts (the directory path when the last parts clash)."""
     short = [Path(d).name for d in drafts]
@@ -64,7 +64,7 @@ def draft_names(drafts: list[str]) -> list[str]:
 
 
 def med(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+    return fmt_spread(values, "{:.2f}")
 
 
 def forward_times(args, prompt_ids: list[int]) -> dict:
@@ -74,20 +74,13 @@ def forward_times(args, prompt_ids: list[int]) -> dict:
     models = {"target": load_model(args.target, dtype=args.dtype)}
     models |= {f"draft {n}": load_model(d, dtype=args.dtype) for n, d in zip(draft_names(args.draft), args.draft)}
     prompt = torch.tensor([prompt_ids])  # [1, P]
-    P = prompt.shape[1]
-    times = {(name, T): [] for name in models for T in (1, args.verify_tokens)}
-    for rep in range(args.forward_repeats + 3):
-        for (name, T) in times:
-            model = models[name]
-            cache = model.new_cache(1, P + args.verify_tokens, "ragged")
-            cache.set_prefill([P], P)
-            model(prompt, cache, logits="last")
+    calls = {}
+    for name, model in models.items():
+        prefilled = PrefilledCache(model, prompt, prompt.shape[1] + args.verify_tokens)
+        for T in (1, args.verify_tokens):
             new = torch.randint(3, model.vocab_size, (1, T))  # [1, T]
-            t0 = time.perf_counter()
-            model(new, cache)
-            if rep >= 3:  # the first repetitions warm up
-                times[(name, T)].append(1e3 * (time.perf_counter() - t0))
-    return times
+            calls[(name, T)] = lambda prefilled=prefilled, new=new: 1e3 * prefilled.time(new)
+    return interleave(calls, args.forward_repeats, warmup=3)
 
 
 def end_to_end(args, prompts: list[str], batch_size: int) -> dict:
@@ -100,14 +93,14 @@ def end_to_end(args, prompts: list[str], batch_size: int) -> dict:
                          batch_size=batch_size, dtype=args.dtype)
     for llm in llms.values():
         llm.generate(prompts[:2], params, use_tqdm=False)
-    runs = {name: [] for name in llms}
+
+    def run(llm):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0), outs
+
+    runs = interleave({name: lambda llm=llm: run(llm) for name, llm in llms.items()}, args.repeats, warmup=0)
     names = list(llms)
-    for rep in range(args.repeats):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:  # rotate which method runs first
-            t0 = time.perf_counter()
-            outs = llms[name].generate(prompts, params, use_tqdm=False)
-            wall = time.perf_counter() - t0
-            runs[name].append((sum(len(o.token_ids) for o in outs) / wall, outs))
     ar_ids = [o.token_ids for o in runs["ar"][0][1]]
     ar_tps = [r[0] for r in runs["ar"]]
     rows = {}
@@ -115,10 +108,9 @@ def end_to_end(args, prompts: list[str], batch_size: int) -> dict:
         outs = runs[name][0][1]
         m = outs.metrics
         tps = [r[0] for r in runs[name]]
-        steps = sum(m.k_histogram.values())
         rows[name] = {"ar": ar_tps, "spec": tps, "speedups": [s / a for s, a in zip(tps, ar_tps)],
                       "acceptance": m.acceptance_rate, "tokens_per_step": m.mean_tokens_per_step,
-                      "mean_k": sum(k * n for k, n in m.k_histogram.items()) / steps if steps else float("nan"),
+                      "k_histogram": m.k_histogram,
                       "exact": sum(o.token_ids == a for o, a in zip(outs, ar_ids)), "prompts": len(prompts)}
     return rows
 
@@ -126,13 +118,12 @@ def end_to_end(args, prompts: list[str], batch_size: int) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    prompts = read_prompt_file(Path(args.prompts), args.num_prompts)
+    prompts = read_prompts(args.prompts)[: args.num_prompts]
     from specdec.models import load_tokenizer
 
     tokenizer = load_tokenizer(args.target)
-    print(f"python -m bench.default_pair.speed {' '.join(sys.argv[1:] if argv is None else argv)}")
-    print(f"torch {torch.__version__}, {args.threads} threads, {args.dtype}, load average "
-          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
+    print(command_line("bench.default_pair.speed", argv))
+    print(f"{args.dtype}; {machine_line()}\n")
     if not args.skip_forwards:
         times = forward_times(args, tokenizer.encode(prompts[0]))
         T = args.verify_tokens
@@ -147,7 +138,7 @@ def main(argv=None) -> int:
           f"exact vs ar |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
         for name, r in end_to_end(args, prompts, batch_size).items():
-            k = f"auto ({r['mean_k']:.1f})" if args.k == "auto" else str(args.k)
+            k = k_text(args.k, r["k_histogram"])
             print(f"| {batch_size} | {name} | {k} | {med(r['ar'])} | {med(r['spec'])} | {med(r['speedups'])}x | "
                   f"{r['acceptance']:.3f} | {r['tokens_per_step']:.2f} | {r['exact']}/{r['prompts']} |", flush=True)
     print(f"\nload average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")

@@ -1,57 +1,106 @@
-"""Continuous batching over the ragged layout: a fixed number of rows; when a row finishes, its slot
-takes the next prompt from the queue (prefilled on its own, then copied into the slot). Also the refill
-loop of exspec's pool (`refill`)."""
+"""Continuous batching over one batch of at most `batch_size` rows: the scheduler of `ar` and `ragged`
+(ragged layout) and of `eqspec` (left-padded layout).
+
+- ragged (`ar`, `ragged`): each row at its own offsets (start = 0), nothing ever moves. A finished row's
+  slot takes the next waiting request (prefilled on its own, then copied into the slot); rows left free
+  when nobody waits are compacted away; newcomers beyond the free slots are appended as new rows.
+- left-padded (`eqspec`, the paper's EQSPEC): every row ends at one column. After every step the finished
+  rows are dropped and the rest realigned (shifted, in both caches, to end at the longest row's edge);
+  a newcomer is prefilled on its own and appended, then the same realignment right-aligns it with the
+  others (or moves them right, if its prompt is longer than every running row).
+"""
 from __future__ import annotations
 
-import time
 from collections import deque
 
-from ..batch import RAGGED, Batch, DecodeContext, prefill, required_capacity
-from ..invariants import check_invariants
-from ..speculative import decode_step
+from ..batch import LEFT_PADDED, Batch, DecodeContext, prefill, required_capacity
+from ..speculative import realign_batch
 
 
-def admit(ctx: DecodeContext, queue: deque, n: int, capacity: int, progress) -> Batch | None:
-    """Prefill up to n live requests from the queue (a request may finish at its first token: it is
-    reported and skipped). The caller times it (phase "prefill")."""
-    while queue:
-        chunk = [queue.popleft() for _ in range(min(n, len(queue)))]
-        batch = prefill(ctx, chunk, RAGGED, capacity or max(len(r.prompt_ids) for r in chunk))
-        done = batch.drop_finished()
-        if done:
-            progress(done)
-        if len(batch):
-            return batch
-    return None
+class ContinuousScheduler:
+    def __init__(self, ctx: DecodeContext, batch_size: int, layout: str):
+        self.ctx = ctx
+        self.batch_size = batch_size
+        self.layout = layout
+        self.waiting: deque = deque()  # requests not yet holding a row, in arrival order
+        self.batch: Batch | None = None
 
+    # --------------------------------------------------------------------------------------- rows
+    def running(self) -> list:
+        return [r for r in self.batch.requests if not r.finished] if self.batch is not None else []
 
-def refill(ctx: DecodeContext, queue: deque, free: list[int], load, progress) -> list[int]:
-    """Fill free slots from the queue: `load(slots, fresh_batch)` places each prefilled chunk. Returns the
-    slots left free (the queue ran dry)."""
-    with ctx.timer.phase("prefill"):
-        while free and queue:
-            fresh = admit(ctx, queue, len(free), 0, progress)
-            if fresh is None:
-                break
-            load(free[: len(fresh)], fresh)
-            free = free[len(fresh):]
-    return free
+    def rows_for(self, live: int) -> int:
+        """Cache rows allocated while `live` requests are running or waiting."""
+        return min(self.batch_size, live)
 
+    def release(self, request) -> None:
+        """An aborted request (already marked finished): leave the queue, or free its row at the next
+        admission (a finished row is refilled or dropped there)."""
+        if request in self.waiting:
+            self.waiting.remove(request)
 
-def run_continuous(ctx: DecodeContext, requests, batch_size: int, progress) -> None:
-    """Step until every request has finished, refilling free rows from the queue."""
-    queue = deque(requests)
-    with ctx.timer.phase("prefill"):
-        batch = admit(ctx, queue, batch_size, required_capacity(requests, ctx.k_max), progress)
-    while batch is not None and len(batch):
-        started, rows = time.perf_counter(), len(batch)
-        decode_step(ctx, batch)
-        ctx.step_done(rows, started)
-        finished = [i for i, r in enumerate(batch.requests) if r.finished]
-        progress([batch.requests[i] for i in finished])
-        free = refill(ctx, queue, finished, batch.load, progress)
-        with ctx.timer.phase("other"):
+    def _prefill(self, n: int, capacity: int) -> tuple[Batch | None, list]:
+        """Prefill up to n waiting requests. Returns the batch of those still live (None if none) and the
+        ones that finished at their first token."""
+        done = []
+        while self.waiting:
+            chunk = [self.waiting.popleft() for _ in range(min(n, len(self.waiting)))]
+            fresh = prefill(self.ctx, chunk, self.layout, max(capacity, required_capacity(chunk, self.ctx.k_max)))
+            done += fresh.drop_finished()
+            if len(fresh):
+                return fresh, done
+        return None, done
+
+    # ------------------------------------------------------------------------------------ schedule
+    def admit(self) -> list:
+        """Give waiting requests the rows that are free (finished, aborted) or not yet used. Returns the
+        requests that finished at their first token."""
+        ctx, done = self.ctx, []
+        with ctx.timer.phase("prefill"):
+            if self.batch is None:
+                if self.waiting:  # the first batch is sized for every request known now (no growth later)
+                    capacity = required_capacity(list(self.waiting), ctx.k_max)
+                    self.batch, done = self._prefill(self.batch_size, capacity)
+                return done
+            free = [i for i, r in enumerate(self.batch.requests) if r.finished]
+            if self.layout != LEFT_PADDED:  # ragged: newcomers take the free slots in place
+                while free and self.waiting:
+                    fresh, finished = self._prefill(len(free), self.batch.capacity)
+                    done += finished
+                    if fresh is None:
+                        break
+                    self.batch.grow(fresh.capacity)
+                    self.batch.load(free[: len(fresh)], fresh)
+                    free = free[len(fresh):]
             if free:
-                batch.drop_finished()
-        if ctx.options.check_invariants and len(batch):
-            check_invariants(ctx, batch)
+                self.batch.drop_finished()
+            appended = False
+            while self.waiting and len(self.batch) < self.batch_size:
+                fresh, finished = self._prefill(self.batch_size - len(self.batch), self.batch.capacity)
+                done += finished
+                if fresh is None:
+                    break
+                if len(self.batch):
+                    self.batch.extend(fresh)
+                else:
+                    self.batch = fresh
+                appended = True
+        if appended and self.layout == LEFT_PADDED and len(self.batch):
+            with ctx.timer.phase("realign"):
+                realign_batch(ctx, self.batch)
+        return done
+
+    def select(self) -> Batch | None:
+        """The rows to step: every live row of the batch."""
+        return self.batch if self.batch is not None and len(self.batch) else None
+
+    def postprocess(self, batch: Batch) -> None:
+        """Left-padded: drop the finished rows and right-align the rest (invariant I6). Ragged: nothing
+        moves; finished rows wait for `admit` to refill or drop them."""
+        if self.layout != LEFT_PADDED:
+            return
+        with self.ctx.timer.phase("other"):
+            batch.drop_finished()
+        if len(batch):
+            with self.ctx.timer.phase("realign"):
+                realign_batch(self.ctx, batch)

@@ -19,19 +19,14 @@ bound can never be broken.
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 
 import torch
 
-from specdec.models.cache import KVCache
+from ..batch import LEFT_PADDED, RAGGED, Batch, DecodeContext, prefill, required_capacity, row_params
+from ..speculative import realign_batch
 
-from ..batch import LEFT_PADDED, RAGGED, Batch, DecodeContext, required_capacity, row_params
-from ..invariants import check_invariants
-from ..speculative import decode_step, realign_batch
-from .continuous import refill
-
-# Settings (EngineOptions): `realign_cost_per_row`, one row's realignment time over a step's fixed cost
+# Settings (EngineOptions): `realign_cost_ratio`, one row's realignment time over a step's fixed cost
 # (measured: docs/exspec.md), sets which groups are worth a step (`min_group_size`); `fold_shift` writes
 # a mixed batch's rows at their left-padded columns while gathering them instead of realigning the batch
 # buffer afterwards (faster: the copy happens anyway). Off by default: the fallback is then the EQSPEC
@@ -106,30 +101,61 @@ def min_group_size(batch_size: int, live: int, realign_cost: float) -> int:
 
 # ------------------------------------------------------------------------------------------------- pool
 class Pool:
-    """`size` slots of target and draft KV state (ragged: start = 0) with the sequences of the requests in
-    them (`tokens` [size, C], `seq_len` [size], on the device) and their waits, and a `batch_size`-row
-    buffer per model that a step runs on.
+    """Slots of target and draft KV state (ragged: start = 0) with the sequences of the requests in them
+    (`tokens` [size, C], `seq_len` [size], on the device) and their waits, and a `batch_size`-row buffer
+    per model that a step runs on. It grows (more slots, more columns) as requests arrive, up to the
+    pool limit; rows move only through `KVCache.gather_rows` / `scatter_rows` / `load_rows`.
 
     Between steps, slot s holds `rows[s]`'s target cache (len(sequence) - 1 tokens at columns 0..) and its
-    draft cache (a shorter prefix, see batch.py), exactly as a ragged Batch row would. Rows are moved
-    with one slice copy per row: on the CPU, index_select / index_put on these strided views take a slow
-    path (30x slower, docs/exspec.md). The buffers are zero-initialised and reused: a mixed batch's
-    attention reads (masked) padding columns, which must hold finite values, never torch.empty garbage.
+    draft cache (a shorter prefix, see batch.py), exactly as a ragged Batch row would. The buffers are
+    zero-initialised and reused: a mixed batch's attention reads (masked) padding columns, which must
+    hold finite values, never torch.empty garbage.
     """
 
     def __init__(self, ctx: DecodeContext, size: int, capacity: int, batch_size: int):
         self.ctx = ctx
-        self.fold_shift = ctx.options.fold_shift
+        self.batch_size = batch_size
         self.target = ctx.new_cache(ctx.target, size, capacity, RAGGED)
         self.draft = ctx.new_cache(ctx.draft, size, capacity, RAGGED)
-        rows = min(batch_size, size)
-        self.buffers = (ctx.new_cache(ctx.target, rows, capacity, LEFT_PADDED),
-                        ctx.new_cache(ctx.draft, rows, capacity, LEFT_PADDED))
+        self.buffers = self._buffers(size, capacity)
         self.tokens = torch.zeros(size, capacity, dtype=torch.int64, device=ctx.device)  # [size, C]
         self.seq_len = torch.zeros(size, dtype=torch.int64, device=ctx.device)  # [size]
         self.rows: list = [None] * size  # the request in each slot
         self.waits: list[int] = [0] * size  # steps since each slot's row was last scheduled
         self.stepped: list[int] = []  # the slots of the batch in flight (set by gather, read by scatter)
+        self.firsts: tuple[list[int], list[int]] = ([], [])  # per stepped row: the first column the step may write
+
+    def _buffers(self, size: int, capacity: int):
+        rows = min(self.batch_size, size)
+        return (self.ctx.new_cache(self.ctx.target, rows, capacity, LEFT_PADDED),
+                self.ctx.new_cache(self.ctx.draft, rows, capacity, LEFT_PADDED))
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def capacity(self) -> int:
+        return self.target.capacity
+
+    def ensure(self, size: int, capacity: int) -> None:
+        """At least `size` slots of at least `capacity` columns (existing rows keep their places)."""
+        if size <= self.size and capacity <= self.capacity:
+            return
+        capacity = max(capacity, self.capacity)
+        for cache in (self.target, self.draft):
+            cache.grow(capacity)
+            if size > self.size:
+                cache.add_rows(size - self.size)
+        if size > self.size:
+            more = size - self.size
+            self.seq_len = torch.cat([self.seq_len, self.seq_len.new_zeros(more)])  # [size]
+            self.rows += [None] * more
+            self.waits += [0] * more
+        tokens = torch.zeros(self.size, capacity, dtype=torch.int64, device=self.ctx.device)  # [size, C]
+        tokens[: self.tokens.shape[0], : self.tokens.shape[1]] = self.tokens
+        self.tokens = tokens
+        self.buffers = self._buffers(self.size, capacity)
 
     def free_slots(self) -> list[int]:
         return [s for s, r in enumerate(self.rows) if r is None]
@@ -154,111 +180,121 @@ class Pool:
             self.rows[slot] = request
             self.waits[slot] = 0
 
-    def _batch_cache(self, pool: KVCache, buf: KVCache, g: int, width: int, index, slots, offsets) -> KVCache:
-        """Rows `slots` of a pool cache copied into the first g rows of a buffer, at column offsets."""
-        k, v = buf.k[:, :g, :, :width], buf.v[:, :g, :, :width]  # [L, g, H_kv, width, D] views
-        lengths = [pool.host_length[s] for s in slots]
-        for i, (slot, n, o) in enumerate(zip(slots, lengths, offsets)):
-            k[:, i, :, o:o + n].copy_(pool.k[:, slot, :, :n])
-            v[:, i, :, o:o + n].copy_(pool.v[:, slot, :, :n])
-        cache = KVCache(k, v, torch.tensor(offsets, dtype=torch.int64, device=self.ctx.device),
-                        pool.length.index_select(0, index), LEFT_PADDED, offsets, lengths)
-        cache.backend = pool.backend
-        return cache
-
-    def gather(self, slots: list[int], grouped: bool) -> Batch:
+    def gather(self, slots: list[int], grouped: bool, fold_shift: bool) -> Batch:
         """The rows of `slots` as a left-padded Batch in the buffers. Equal lengths: start = 0, nothing to
         realign. Mixed: realigned to the longest row's edge (the EQSPEC path), or, with fold_shift, copied
         straight to their left-padded columns."""
-        g, ctx = len(slots), self.ctx
+        ctx = self.ctx
         lengths = self.target_lengths(slots)
         longest = max(lengths)
         width = longest + ctx.k_max + 1  # room for the verify pass's k + 1 columns
-        fold = self.fold_shift and not grouped
-        offsets = [longest - n for n in lengths] if fold else [0] * g
-        index = self.index(slots)
+        fold = fold_shift and not grouped
+        offsets = [longest - n for n in lengths] if fold else [0] * len(slots)
         with ctx.timer.phase("realign" if fold else "other"):
-            target = self._batch_cache(self.target, self.buffers[0], g, width, index, slots, offsets)
-            draft = self._batch_cache(self.draft, self.buffers[1], g, width, index, slots, offsets)
+            target = self.target.gather_rows(slots, self.buffers[0], offsets, width)
+            draft = self.draft.gather_rows(slots, self.buffers[1], offsets, width)
+        index = self.index(slots)
         requests = [self.rows[s] for s in slots]
         batch = Batch(requests, target, draft, self.tokens.index_select(0, index), self.seq_len.index_select(0, index),
                       row_params(requests, ctx.device))
         if not grouped and not fold:
             with ctx.timer.phase("realign"):
                 realign_batch(ctx, batch)
+        # a step writes the target from its cached length on, the draft from where it is rewound to
+        seq, (_, fed) = batch.host_seq_len, batch.draft_lag()
+        self.firsts = (list(target.host_length), [min(n, s - f) for n, s, f in zip(draft.host_length, seq, fed)])
         self.stepped = slots
         return batch
 
     def scatter(self, batch: Batch) -> None:
-        """Copy back what the step wrote (`batch.written`: the columns of each cache, per row), undoing
-        the left padding, and the rows' sequences and lengths."""
+        """Copy back what the step wrote (the columns from `firsts` on, per row and cache), undoing the
+        left padding, and the rows' sequences."""
         index = self.index(self.stepped)
         with self.ctx.timer.phase("other"):
-            for pool, step, written in ((self.target, batch.target_cache, batch.written.target),
-                                        (self.draft, batch.draft_cache, batch.written.draft)):
-                for i, (slot, (first, n)) in enumerate(zip(self.stepped, written)):
-                    src = step.host_start[i] + first
-                    pool.k[:, slot, :, first:first + n].copy_(step.k[:, i, :, src:src + n])
-                    pool.v[:, slot, :, first:first + n].copy_(step.v[:, i, :, src:src + n])
-                pool.length.index_copy_(0, index, step.length)
-                for slot, n in zip(self.stepped, step.host_length):
-                    pool.host_length[slot] = n
+            self.target.scatter_rows(self.stepped, batch.target_cache, self.firsts[0])
+            self.draft.scatter_rows(self.stepped, batch.draft_cache, self.firsts[1])
             self.tokens.index_copy_(0, index, batch.tokens)
             self.seq_len.index_copy_(0, index, batch.seq_len)
 
-    def view(self, slots: list[int]) -> Batch:
-        """A copy of the rows of `slots` as a ragged Batch, for the invariant checks."""
-        index = self.index(slots)
-        caches = []
-        for c in (self.target, self.draft):
-            host = [c.host_length[s] for s in slots]
-            caches.append(KVCache(c.k.index_select(1, index), c.v.index_select(1, index),
-                                  torch.zeros_like(index), c.length.index_select(0, index), RAGGED, [0] * len(slots), host))
-        requests = [self.rows[s] for s in slots]
-        return Batch(requests, *caches, self.tokens.index_select(0, index), self.seq_len.index_select(0, index),
-                     row_params(requests, self.ctx.device))
 
+# -------------------------------------------------------------------------------------------- scheduler
+class PoolScheduler:
+    """EXSPEC: refill the pool from the waiting queue, step the best same-length group (or a mixed batch),
+    copy its rows back, count waits."""
 
-# -------------------------------------------------------------------------------------------------- run
-def run(ctx: DecodeContext, requests, batch_size: int, progress) -> None:
-    if not requests:
-        return
-    options = ctx.options
-    # folded into the gather, a mixed batch's realignment costs nothing extra
-    realign_cost = 0.0 if options.fold_shift else options.realign_cost_per_row
-    size = min(pool_limit(options.window_size, batch_size, options.max_wait_steps), len(requests))
-    pool = Pool(ctx, size, required_capacity(requests, ctx.k_max), batch_size)
-    queue = deque(requests)
-    while True:
-        refill(ctx, queue, pool.free_slots(), pool.load, progress)
-        live = pool.live_slots()
+    def __init__(self, ctx: DecodeContext, batch_size: int):
+        self.ctx = ctx
+        self.batch_size = batch_size
+        self.waiting: deque = deque()
+        self.pool: Pool | None = None
+        options = ctx.options
+        self.limit = pool_limit(options.window_size, batch_size, options.max_wait_steps)
+        # folded into the gather, a mixed batch's realignment costs nothing extra
+        self.realign_ratio = 0.0 if options.fold_shift else options.realign_cost_ratio
+        self.grouped = False
+
+    def running(self) -> list:
+        return [r for r in self.pool.rows if r is not None and not r.finished] if self.pool is not None else []
+
+    def rows_for(self, live: int) -> int:
+        """Cache rows allocated while `live` requests are running or waiting: pool slots and the step buffer."""
+        size = min(self.limit, live)
+        return size + min(self.batch_size, size)
+
+    def release(self, request) -> None:
+        """An aborted request (already marked finished): leave the queue, or its slot is freed at `admit`."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+
+    def admit(self) -> list:
+        """Free the slots of finished (aborted) rows, grow the pool for the requests known (up to its
+        limit), and prefill waiting requests into free slots. Returns those finished at their first token."""
+        ctx, done = self.ctx, []
+        if self.pool is not None:
+            for s, r in enumerate(self.pool.rows):
+                if r is not None and r.finished:
+                    self.pool.rows[s] = None
+        if not self.waiting:
+            return done
+        with ctx.timer.phase("prefill"):
+            live = len(self.pool.live_slots()) if self.pool is not None else 0
+            size = min(self.limit, live + len(self.waiting))
+            capacity = required_capacity(list(self.waiting), ctx.k_max)
+            if self.pool is None:
+                self.pool = Pool(ctx, size, capacity, self.batch_size)
+            self.pool.ensure(size, capacity)
+            free = self.pool.free_slots()
+            while free and self.waiting:
+                chunk = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
+                fresh = prefill(ctx, chunk, RAGGED, self.pool.capacity)
+                done += fresh.drop_finished()
+                if len(fresh):
+                    self.pool.load(free[: len(fresh)], fresh)
+                    free = free[len(fresh):]
+        return done
+
+    def select(self) -> Batch | None:
+        pool = self.pool
+        live = pool.live_slots() if pool is not None else []
         if not live:
-            return
-        with ctx.timer.phase("other"):
-            lengths = pool.target_lengths(live)
-            waits = [pool.waits[s] for s in live]
-            chosen, grouped = schedule(lengths, waits, batch_size, options.max_wait_steps,
-                                       min_group_size(batch_size, len(live), realign_cost))
-            slots = [live[i] for i in chosen]
-        started = time.perf_counter()
-        batch = pool.gather(slots, grouped)
-        decode_step(ctx, batch)
+            return None
+        with self.ctx.timer.phase("other"):
+            chosen, self.grouped = schedule(pool.target_lengths(live), [pool.waits[s] for s in live],
+                                            self.batch_size, self.ctx.options.max_wait_steps,
+                                            min_group_size(self.batch_size, len(live), self.realign_ratio))
+        return pool.gather([live[i] for i in chosen], self.grouped, self.ctx.options.fold_shift)
+
+    def postprocess(self, batch: Batch) -> None:
+        pool = self.pool
         pool.scatter(batch)
-        ctx.step_done(len(slots), started)
-        ctx.metrics.grouped_steps += grouped
-        with ctx.timer.phase("other"):
-            unfinished = [s for s in slots if not pool.rows[s].finished]
-            if options.check_invariants and unfinished:
-                check_invariants(ctx, pool.view(unfinished))
-            stepped, done = set(slots), []
-            for s in pool.live_slots():
-                request = pool.rows[s]
-                if s in stepped:
-                    pool.waits[s] = 0
-                else:
-                    pool.waits[s] += 1
-                    request.max_wait_steps = max(request.max_wait_steps, pool.waits[s])
-                if request.finished:
-                    pool.rows[s] = None
-                    done.append(request)
-        progress(done)
+        self.ctx.metrics.grouped_steps += self.grouped
+        stepped = set(pool.stepped)
+        for s in pool.live_slots():
+            request = pool.rows[s]
+            if s in stepped:
+                pool.waits[s] = 0
+            else:
+                pool.waits[s] += 1
+                request.longest_wait_steps = max(request.longest_wait_steps, pool.waits[s])
+            if request.finished:
+                pool.rows[s] = None

@@ -1,0 +1,507 @@
+"""Serving under load: `python -m specdec.serve` (auto k), the same with `--method ar`, and `transformers serve
+--continuous-batching` on the same target, prompts and chat template, side by side (issue 21).
+
+`load` (default): Poisson arrivals at each request rate, a bounded number of requests per run (--requests)
+and a bounded time (--max-time: no arrival after it, and whatever is unfinished then is cancelled and
+counted). Every request is a streamed chat completion of one SpecBench question (the first turn,
+`../shared/data/spec_bench/question.jsonl`; questions whose chat prompt leaves fewer than --max-tokens + k_max
++ 1 positions of the embedded target's 256 are skipped), greedy, --max-tokens at most. The three servers run
+side by side (each in its own process, one thread each by default; only the one under load is busy), warmed
+up first, and the runs interleave: for every repeat and rate, each server in turn, the order rotating; every
+server gets the same arrival times and questions for a given rate and repeat. Per run:
+
+- throughput: completion tokens of the finished requests / (last finish - first arrival), tokens/s;
+- TTFT: arrival to the first content chunk, p50 and p99 over the requests;
+- inter-token latency (ITL): per request (last chunk - first chunk) / (completion tokens - 1), the time per
+  token after the first (a speculative step's tokens arrive together; this spreads them as the user's
+  reading rate sees them), p50 and p99 over the requests. Completion tokens: the usage the server reports.
+
+The table gives the median over the repeats (throughput also its min-max), and the ratios: specdec's ITL
+over transformers' (aim <= 0.6 at low load), specdec's throughput over transformers' (aim >= 1.2 at
+saturation), auto k's throughput over --method ar's (aim >= 1 at every rate). Writes serve.jsonl and
+serve.md to --out and the plot to --plot.
+
+`soak`: one specdec server, --soak-requests requests (default 1,000) from --concurrency clients, mixed:
+completions and chat, streamed and not, stop strings, and every 10th stream dropped by the client after its
+first chunk. The server's RSS (VmRSS) is read after every --every finished requests; the first and the last
+block are compared.
+
+    python -m bench.serve --repeats 3                                   # all three servers, 5 rates
+    python -m bench.serve --servers specdec,specdec-ar --rates 1,4 --requests 16 --repeats 1
+    python -m bench.serve soak                                          # 1,000 requests, RSS per 100
+    python -m bench.serve --quick                                       # smoke test: seconds
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from bench.common import REPO, HelpFormatter, command_line, git_revision
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def specdec_command(port: int, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "specdec.serve", "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
+            "--log-level", "warning", *flags]
+
+
+def launch(command: list[str], port: int, log_path: str, env: dict | None = None,
+           timeout_s: float = 300.0) -> subprocess.Popen:
+    """Start a server (output to `log_path`) and wait, at most `timeout_s`, until GET /health answers 200.
+    Raises RuntimeError with the log's tail if it exits or does not come up."""
+    env = dict(os.environ if env is None else env)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    stop(proc)
+    with open(log_path, errors="replace") as f:
+        tail = f.read()[-3000:]
+    raise RuntimeError(f"{' '.join(command)} did not come up on port {port} (exit {proc.returncode}):\n{tail}")
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 60.0) -> int:
+    """SIGTERM, then SIGKILL after `timeout_s`; returns the exit status."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+# ------------------------------------------------------------------------------------------------ load
+
+
+SERVERS = ("specdec", "specdec-ar", "hf")
+LABELS = {"specdec": "specdec (auto k)", "specdec-ar": "specdec --method ar", "hf": "transformers serve --cb"}
+# the embedded pair ships no chat template: this one (every server renders it) writes messages as Python
+# comments, which the code model then continues
+CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+K_MAX = 8  # specdec's default --max-speculative-tokens: the context a request needs beyond its tokens
+
+
+def model_with_template(tmp: str) -> str:
+    """A copy of the embedded target with CHAT_TEMPLATE as its chat_template.jinja (read by our tokenizer and
+    by transformers alike). Copied, not linked: our loader refuses links that lead out of a checkpoint."""
+    from specdec.prompts import DEFAULT_TARGET
+
+    path = os.path.join(tmp, "target")
+    shutil.copytree(DEFAULT_TARGET, path)
+    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(CHAT_TEMPLATE)
+    return path
+
+
+def server_command(name: str, port: int, model: str, args) -> tuple[list[str], str]:
+    """The command that serves `model` as server `name`, and the model name its requests carry."""
+    from specdec.prompts import DEFAULT_DRAFT
+
+    if name == "hf":
+        return (["transformers", "serve", model, "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
+                 "--dtype", "float32", "--device", "cpu", "--log-level", "warning"], model)
+    method = "ar" if name == "specdec-ar" else args.method
+    return (specdec_command(port, "--target", model, "--draft", DEFAULT_DRAFT, "--method", method, "-k", "auto",
+                            "--batch-size", str(args.batch_size), "--max-waiting", "100000",
+                            "--served-model-name", "bench"), "bench")
+
+
+def chat_questions(path: str, model: str, max_tokens: int) -> list[list[dict]]:
+    """SpecBench first turns as one-message chats, those that fit the context with max_tokens."""
+    from specdec.models import load_tokenizer
+    from specdec.prompts import read_prompts
+
+    tokenizer = load_tokenizer(model)
+    room = 256 - max_tokens - K_MAX - 1
+    chats = [[{"role": "user", "content": q}] for q in read_prompts(path)]
+    fit = [c for c in chats
+           if len(tokenizer.encode(tokenizer.apply_chat_template(c), add_special_tokens=False)) <= room]
+    if not fit:
+        raise SystemExit(f"{path}: no question fits the context with --max-tokens {max_tokens}")
+    return fit
+
+
+@dataclass
+class Record:
+    sent: float  # seconds from the run's start
+    first: float | None = None  # first content chunk
+    last: float | None = None  # last content chunk
+    tokens: int = 0  # completion tokens (the server's usage)
+    error: str | None = None
+
+
+async def chat_stream(http: httpx.AsyncClient, base: str, model: str, messages: list[dict], max_tokens: int,
+                      start: float) -> Record:
+    record = Record(sent=time.perf_counter() - start)
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    try:
+        async with http.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                record.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return record
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    record.tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices") or ():
+                    if (choice.get("delta") or {}).get("content"):
+                        now = time.perf_counter() - start
+                        record.first = now if record.first is None else record.first
+                        record.last = now
+    except httpx.HTTPError as e:
+        record.error = f"{type(e).__name__}: {e}"
+    return record
+
+
+def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
+    rng, t, times = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        times.append(t)
+    return times
+
+
+async def run_load(base: str, model: str, chats: list, arrivals: list[float], max_tokens: int,
+                   max_time: float) -> tuple[list[Record], int]:
+    """Send chats[i] at arrivals[i] (seconds), none after max_time; wait for them at most max_time more.
+    Returns the records of the requests that finished and the number cancelled unfinished."""
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(max_time * 2 + 60), limits=limits) as http:
+        start, tasks = time.perf_counter(), []
+        for at, chat in zip(arrivals, chats):
+            if at > max_time:
+                break
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            tasks.append(asyncio.create_task(chat_stream(http, base, model, chat, max_tokens, start)))
+        done, pending = await asyncio.wait(tasks, timeout=max(0.0, start + 2 * max_time - time.perf_counter()))
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return [t.result() for t in tasks if t in done], len(pending)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    import numpy as np
+
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(records: list[Record], cancelled: int) -> dict:
+    ok = [r for r in records if r.error is None and r.first is not None]
+    itl = [(r.last - r.first) / (r.tokens - 1) for r in ok if r.tokens > 1]
+    span = max((r.last for r in ok), default=0.0) - min((r.sent for r in records), default=0.0)
+    return {"completed": len(ok), "errors": sum(r.error is not None for r in records), "cancelled": cancelled,
+            "tokens": sum(r.tokens for r in ok), "throughput": sum(r.tokens for r in ok) / span if span > 0 else 0.0,
+            "ttft_p50": percentile([r.first - r.sent for r in ok], 50),
+            "ttft_p99": percentile([r.first - r.sent for r in ok], 99),
+            "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99),
+            "first_error": next((r.error for r in records if r.error), None)}
+
+
+def load_main(args) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    servers = args.servers.split(",")
+    rates = [float(r) for r in args.rates.split(",")]
+    tmp = tempfile.mkdtemp(prefix="specdec-serve-bench-")
+    model = model_with_template(tmp)
+    chats = chat_questions(args.prompts, model, args.max_tokens)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), OMP_WAIT_POLICY="PASSIVE")
+    procs, bases = {}, {}
+    meta = {"type": "meta", "command": command_line("bench.serve"), "git": git_revision(), "servers": servers,
+            "rates": rates, "requests": args.requests, "max_time": args.max_time, "max_tokens": args.max_tokens,
+            "repeats": args.repeats, "threads": args.threads, "batch_size": args.batch_size, "method": args.method,
+            "questions": len(chats), "loadavg_before": list(os.getloadavg())}
+    rows = []
+    try:
+        for name in servers:
+            port = free_port()
+            command, model_name = server_command(name, port, model, args)
+            meta[f"command_{name}"] = shlex.join(command)
+            print(f"starting {name}: {shlex.join(command)}", flush=True)
+            procs[name] = launch(command, port, os.path.join(args.out, f"server-{name}.log"), env, timeout_s=600)
+            bases[name] = (f"http://127.0.0.1:{port}", model_name)
+            # warm-up: first-call costs (transformers' first continuous batch, allocations) stay out of the runs
+            warm = asyncio.run(run_load(*bases[name], chats[:4], [0.0] * 4, args.max_tokens, 600))
+            print(f"  warmed up: {summarize(*warm)['completed']}/4 requests", flush=True)
+        for repeat in range(args.repeats):
+            for i, rate in enumerate(rates):
+                seed = 1000 * repeat + i
+                arrivals = poisson_arrivals(rate, args.requests, seed)
+                picked = random.Random(seed).sample(chats, min(args.requests, len(chats)))
+                picked = [picked[j % len(picked)] for j in range(args.requests)]
+                shift = (repeat + i) % len(servers)
+                for name in servers[shift:] + servers[:shift]:
+                    records, cancelled = asyncio.run(run_load(*bases[name], picked, arrivals, args.max_tokens,
+                                                              args.max_time))
+                    row = {"type": "run", "server": name, "rate": rate, "repeat": repeat,
+                           **summarize(records, cancelled)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    finally:
+        for proc in procs.values():
+            stop(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+    meta["loadavg_after"] = list(os.getloadavg())
+    with open(os.path.join(args.out, "serve.jsonl"), "w") as f:
+        for line in [meta, *rows]:
+            f.write(json.dumps(line) + "\n")
+    table = report(meta, rows, servers, rates)
+    with open(os.path.join(args.out, "serve.md"), "w") as f:
+        f.write(table)
+    print(table)
+    if args.plot:
+        plot(rows, servers, rates, args.plot)
+
+
+def report_main(args) -> None:
+    """The table and plot of the runs in args.from_jsonl together."""
+    metas, rows = [], []
+    for path in args.from_jsonl:
+        with open(path) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+        metas += [x for x in lines if x["type"] == "meta"]
+        rows += [x for x in lines if x["type"] == "run"]
+    servers = [s for s in SERVERS if any(r["server"] == s for r in rows)]
+    rates = sorted({r["rate"] for r in rows})
+    table = "\n".join(report(meta, [r for r in rows if r["rate"] in meta["rates"]], servers, meta["rates"])
+                      for meta in metas)
+    print(table)
+    if args.plot:
+        plot(rows, servers, rates, args.plot)
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{1000 * x:.0f}" if x >= 0.1 else f"{1000 * x:.1f}"
+
+
+def _ratio(rows, rate, key, a, b) -> str:
+    """The median over repeats of a's key / b's key, each ratio from one repeat's side-by-side runs."""
+    by = {(r["server"], r["repeat"]): r[key] for r in rows if r["rate"] == rate}
+    ratios = [by[a, rep] / by[b, rep] for (s, rep) in by if s == a and (b, rep) in by and by[a, rep] and by[b, rep]]
+    return f"{statistics.median(ratios):.2f}" if ratios else "-"
+
+
+def report(meta: dict, rows: list[dict], servers: list[str], rates: list[float]) -> str:
+    lines = [f"`{meta['command']}` (git {meta['git']}; {meta['requests']} requests per run, at most "
+             f"{meta['max_time']:g} s of arrivals; {meta['max_tokens']} tokens at most; {meta['repeats']} repeats; "
+             f"{meta['threads']} thread(s) per server; load average {meta['loadavg_before'][0]:.1f} before, "
+             f"{meta['loadavg_after'][0]:.1f} after)", "",
+             "| rate (req/s) | server | throughput tok/s: median (min-max) | TTFT p50 / p99 ms | ITL p50 / p99 ms "
+             "| finished / sent |", "|---:|---|---:|---:|---:|---:|"]
+    for rate in rates:
+        for name in servers:
+            runs = [r for r in rows if r["server"] == name and r["rate"] == rate]
+            if not runs:
+                continue
+            tp = [r["throughput"] for r in runs]
+            m = {k: _median([r[k] for r in runs]) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}
+            sent = sum(r["completed"] + r["errors"] + r["cancelled"] for r in runs)
+            lines.append(f"| {rate:g} | {LABELS[name]} | {statistics.median(tp):.0f} ({min(tp):.0f}-{max(tp):.0f}) | "
+                         f"{_ms(m['ttft_p50'])} / {_ms(m['ttft_p99'])} | {_ms(m['itl_p50'])} / {_ms(m['itl_p99'])} | "
+                         f"{sum(r['completed'] for r in runs)} / {sent} |")
+    lines += ["", "Ratios per rate (median over repeats of the side-by-side ratio):", "",
+              "| rate (req/s) | ITL p50: specdec / transformers | throughput: specdec / transformers | "
+              "throughput: auto k / ar | ITL p50: auto k / ar |", "|---:|---:|---:|---:|---:|"]
+    for rate in rates:
+        lines.append(f"| {rate:g} | {_ratio(rows, rate, 'itl_p50', 'specdec', 'hf')} | "
+                     f"{_ratio(rows, rate, 'throughput', 'specdec', 'hf')} | "
+                     f"{_ratio(rows, rate, 'throughput', 'specdec', 'specdec-ar')} | "
+                     f"{_ratio(rows, rate, 'itl_p50', 'specdec', 'specdec-ar')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], servers: list[str], rates: list[float], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = (("throughput", None, "throughput (tokens/s)", 1), ("ttft_p50", "ttft_p99", "TTFT (ms)", 1000),
+              ("itl_p50", "itl_p99", "inter-token latency (ms)", 1000))
+    for ax, (key, key99, title, scale) in zip(axes, panels):
+        for name in servers:
+            for k, style in ((key, "-o"), (key99, "--")):
+                if k is None:
+                    continue
+                ys = [_median([r[k] for r in rows if r["server"] == name and r["rate"] == rate]) for rate in rates]
+                label = LABELS[name] + (" p99" if k == key99 else " p50" if key99 else "")
+                ax.plot(rates, [None if y is None else y * scale for y in ys], style, label=label,
+                        color=f"C{SERVERS.index(name)}")
+        ax.set_xscale("log")
+        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    axes[2].legend(fontsize=7)
+    fig.suptitle("Streaming chat completions under load: embedded target, SpecBench questions, greedy")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+# ------------------------------------------------------------------------------------------------ soak
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def soak_requests(base: str, n: int, concurrency: int, every: int, max_tokens: int, pid: int) -> dict:
+    """n mixed requests, `concurrency` at a time; the server's RSS after every `every` finished ones."""
+    from specdec.prompts import DEFAULT_PROMPTS, read_prompts
+
+    prompts = read_prompts(DEFAULT_PROMPTS)
+    statuses, samples, state = {}, [], {"finished": 0}
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(http, i):
+        chat = i % 4 >= 2
+        stream = i % 2 == 1
+        body = {"model": "default", "max_tokens": max_tokens, "temperature": 0 if i % 3 else 0.8, "seed": i,
+                "stream": stream}
+        if i % 7 == 0:
+            body["stop"] = ["\n    "]
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompts[i % len(prompts)]}]
+        else:
+            body["prompt"] = prompts[i % len(prompts)]
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        async with gate:
+            async with http.stream("POST", base + path, json=body) as r:
+                status = r.status_code
+                if stream and i % 10 == 9:  # the client goes away after the first chunk
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            status = "dropped"
+                            break
+                else:
+                    await r.aread()
+        statuses[status] = statuses.get(status, 0) + 1
+        state["finished"] += 1
+        if state["finished"] % every == 0:
+            samples.append({"finished": state["finished"], "rss_mib": round(rss_mib(pid), 1),
+                            "t": round(time.perf_counter() - start, 2)})
+
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency * 2)) as http:
+        await asyncio.gather(*(one(http, i) for i in range(n)))
+    return {"statuses": {str(k): v for k, v in statuses.items()}, "samples": samples,
+            "wall_s": round(time.perf_counter() - start, 1)}
+
+
+def soak_main(args) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="specdec-serve-soak-")
+    template = os.path.join(tmp, "chat.jinja")
+    with open(template, "w", encoding="utf-8") as f:
+        f.write(CHAT_TEMPLATE)
+    port = free_port()
+    command = specdec_command(port, "--chat-template", template, "--batch-size", str(args.batch_size),
+                              "--max-waiting", "100000", "--method", args.method)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), OMP_WAIT_POLICY="PASSIVE")
+    proc = launch(command, port, os.path.join(args.out, "server-soak.log"), env)
+    try:
+        rss_start = rss_mib(proc.pid)
+        result = asyncio.run(soak_requests(f"http://127.0.0.1:{port}", args.soak_requests, args.concurrency,
+                                           args.every, args.max_tokens, proc.pid))
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        running = [line for line in metrics.splitlines() if line.startswith("specdec_num_requests_")]
+    finally:
+        exit_status = stop(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+    samples = result["samples"]
+    first, last = samples[0]["rss_mib"], samples[-1]["rss_mib"]
+    summary = {"command": command_line("bench.serve"), "server": shlex.join(command), "rss_after_warm_up_mib":
+               round(rss_start, 1), "rss_first_block_mib": first, "rss_last_block_mib": last,
+               "growth_mib": round(last - first, 1), "after": running, "exit_status": exit_status, **result}
+    with open(os.path.join(args.out, "soak.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print("| finished requests | server RSS MiB | seconds |\n|---:|---:|---:|")
+    for s in samples:
+        print(f"| {s['finished']} | {s['rss_mib']} | {s['t']} |")
+    print(json.dumps({k: v for k, v in summary.items() if k != "samples"}, indent=1))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("mode", nargs="?", choices=("load", "soak"), default="load")
+    p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)}")
+    p.add_argument("--rates", default="0.5,1,2,4,8", help="request rates (req/s), comma-separated")
+    p.add_argument("--requests", type=int, default=32, help="requests per run (server x rate x repeat)")
+    p.add_argument("--max-time", type=float, default=90.0, help="seconds of arrivals per run at most; unfinished "
+                   "requests are cancelled the same time after")
+    p.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request at most")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=8, help="specdec: rows decoding at once")
+    p.add_argument("--method", default="eqspec", help="specdec's method for the auto-k server (and the soak)")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every server")
+    p.add_argument("--prompts", default=os.path.join(os.path.dirname(REPO), "shared", "data", "spec_bench",
+                                                     "question.jsonl"), help="SpecBench question.jsonl")
+    p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "serve"), help="output directory")
+    p.add_argument("--plot", default=os.path.join(REPO, "docs", "img", "serve_latency.png"),
+                   help="latency and throughput vs rate ('' for none)")
+    p.add_argument("--soak-requests", type=int, default=1000, help="soak: requests in all")
+    p.add_argument("--concurrency", type=int, default=16, help="soak: requests in flight")
+    p.add_argument("--every", type=int, default=100, help="soak: read the server's RSS every N finished requests")
+    p.add_argument("--from-jsonl", metavar="FILE", nargs="+", help="no runs: the table and plot of earlier runs' "
+                   "serve.jsonl files together (e.g. a low-rate and a high-rate run)")
+    p.add_argument("--quick", action="store_true", help="smoke test: specdec only, one rate, 4 requests of 8 "
+                   "tokens, no plot")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.servers, args.rates, args.requests, args.max_tokens, args.repeats, args.plot = \
+            "specdec", "2", 4, 8, 1, ""
+        args.soak_requests, args.every = 40, 10
+    if args.from_jsonl:
+        report_main(args)
+        return
+    (soak_main if args.mode == "soak" else load_main)(args)
+
+
+if __name__ == "__main__":
+    main()

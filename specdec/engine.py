@@ -1,0 +1,242 @@
+"""`Engine`: the incremental core. Requests join at any time (`add_request`), leave early (`abort`), and
+every `step()` returns what each request gained in it (`RequestDelta`). `LLM.generate` is "add all, step
+until done"; the server steps one engine in a background thread.
+
+A step is three calls, owned here:
+
+1. **schedule**: abort what was aborted, admit waiting requests into free rows (prefill, by the method's
+   scheduler: ragged / left-padded continuous batching, or exspec's pool), choose the rows to run;
+2. **run**: one decoding step of those rows, k fixed or chosen by auto k (`speculative.decode_step`:
+   draft, verify, accept, commit);
+3. **postprocess**: what the layout needs after a step (left-padded: drop finished rows and realign;
+   exspec: copy the rows back into the pool, count waits), auto k's timing, the deltas.
+
+Thread safety: `add_request`, `abort`, `has_unfinished`, `num_waiting` and `num_running` may be called
+from any thread, also while `step()` runs (they only touch a lock-guarded inbox and counters the step
+publishes). `step()` itself must be called from one thread at a time (a second concurrent call raises).
+"""
+from __future__ import annotations
+
+import numbers
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from .autok import prepare_chooser
+from .batch import DecodeContext
+from .invariants import check_invariants
+from .memory import check_cache_memory
+from .metrics import PhaseTimer, RunMetrics
+from .request import Request, RequestOutput
+from .sampling import SamplingParams
+from .speculative import decode_step
+from .strategies import SCHEDULERS
+
+INCOMPLETE = "\ufffd"  # what a decoder prints for an unfinished UTF-8 character or byte-fallback piece
+
+
+@dataclass
+class RequestDelta:
+    """What one request gained in one step."""
+
+    request_id: str
+    token_ids: list[int]  # tokens emitted in this step
+    text: str  # their text, incrementally detokenized ("" until a printable piece is complete)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # emitted so far, this step's included
+    output: RequestOutput | None = None  # the whole request, once finished
+
+
+def text_delta(full: str, sent: str, final: bool) -> str:
+    """The text to emit now, given the decoded output so far (`full`) and the text already emitted
+    (`sent`): what is new, less an unfinished UTF-8 character or byte-fallback piece at the end (held back
+    until it completes, or the request ends). Deltas therefore concatenate to the final text."""
+    shown = full if final else full.rstrip(INCOMPLETE)
+    return shown[len(sent):] if len(shown) > len(sent) and shown.startswith(sent) else ""
+
+
+class Engine:
+    """Decodes the requests added to it, a step at a time, on an `LLM`'s models and options."""
+
+    def __init__(self, llm, batch_size: int | None = None):
+        batch_size = llm.batch_size if batch_size is None else batch_size
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if llm.method == "exspec" and llm.options.window_size < batch_size:
+            raise ValueError(f"batch_size ({batch_size}) must be <= window_size ({llm.options.window_size}) for exspec")
+        self.llm = llm
+        self.batch_size = int(batch_size)
+        self.metrics = RunMetrics(llm.method, self.batch_size)
+        self.ctx = DecodeContext(llm.target, llm.draft, llm.options, llm.vocab_size, llm.device, self.metrics,
+                                 PhaseTimer(self.metrics, llm.device, llm.options.profile), llm.target_name,
+                                 llm.chooser)
+        self.scheduler = SCHEDULERS[llm.method](self.ctx, self.batch_size)
+        if llm.chooser is not None:
+            llm.chooser.start_run()
+        self._calibrated_rows = 0  # auto k: the batch size its cost table was measured at
+        self._lock = threading.Lock()
+        self._stepping = threading.Lock()
+        self._inbox: deque[Request] = deque()  # added since the last step
+        self._aborts: list[str] = []
+        self._live: dict[str, Request] = {}  # every request added and not yet reported finished
+        self._next_index = 0
+        self._running = 0  # published by each step, for other threads
+        self._checked = (0, 0)  # (rows, columns) whose caches were found to fit in memory
+
+    # ------------------------------------------------------------------------------------ requests
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request: `prompt` is text (encoded with the tokenizer) or a list of token ids. Raises
+        ValueError/TypeError, naming the request, if it cannot run. Returns its id."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        with self._lock:
+            index = self._next_index
+            self._next_index += 1
+        name = f"prompt {index}" if request_id is None else f"request {request_id!r}"
+        ids = self.llm.prompt_ids(prompt, name)
+        self.llm.check_request(ids, params, index, name)
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.llm.eos_token_ids))
+        self._check_memory(len(ids) + params.max_tokens + self.ctx.k_max + 1)
+        rid = str(index) if request_id is None else str(request_id)
+        request = Request(index, ids, params, frozenset(stop), request_id=rid)
+        with self._lock:
+            if rid in self._live:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self._live[rid] = request
+            self._inbox.append(request)
+        return rid
+
+    def _check_memory(self, capacity: int) -> None:
+        """Refuse a request whose admission could make the caches outgrow the memory available: checked
+        for the rows that can run with it (rounded up to a power of two, at most the batch's or pool's
+        rows) and the most columns any request needs, each time either grows."""
+        with self._lock:
+            live = len(self._live) + 1
+            capacity = max(capacity, self._checked[1])
+        bound = self.scheduler.rows_for(1 << 62)
+        rows = min(bound, self.scheduler.rows_for(1 << (live - 1).bit_length()))
+        if rows > self._checked[0] or capacity > self._checked[1]:
+            check_cache_memory((self.llm.target, self.llm.draft), rows, capacity, self.llm.device, self.batch_size)
+            with self._lock:
+                self._checked = (max(rows, self._checked[0]), capacity)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request: its row is freed at the next step, which reports it finished ("abort"). False if
+        no unfinished request has this id."""
+        with self._lock:
+            request = self._live.get(str(request_id))
+            if request is None or request.finished:
+                return False
+            self._aborts.append(str(request_id))
+            return True
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._live)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests added and not yet holding a row."""
+        with self._lock:
+            return len(self._live) - self._running
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a row (as of the last step)."""
+        return self._running
+
+    # ---------------------------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def step(self) -> list[RequestDelta]:
+        """One step: schedule, run, postprocess. Returns a delta per request that gained tokens or finished."""
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError("Engine.step() is already running in another thread; step from one thread")
+        try:
+            started, calibrated = time.perf_counter(), self.metrics.calibration_s
+            batch = self._schedule()
+            if batch is not None:
+                run_started, rows = time.perf_counter(), len(batch)
+                decode_step(self.ctx, batch)  # run
+                self.scheduler.postprocess(batch)
+                self.ctx.step_done(rows, run_started)
+            deltas = self._deltas()
+            self.metrics.wall_time_s += time.perf_counter() - started - (self.metrics.calibration_s - calibrated)
+            return deltas
+        finally:
+            self._stepping.release()
+
+    def _schedule(self):
+        with self._lock:
+            arrivals, aborts = list(self._inbox), self._aborts
+            self._inbox.clear()
+            self._aborts = []
+        self.scheduler.waiting.extend(arrivals)
+        self.metrics.num_requests += len(arrivals)
+        for rid in aborts:
+            request = self._live.get(rid)  # None: it finished (and was reported) before the abort arrived
+            if request is not None and not request.finished:
+                request.finish(now=time.perf_counter(), reason="abort")
+                self.scheduler.release(request)
+        self._prepare_chooser()
+        self.scheduler.admit()
+        batch = self.scheduler.select()
+        if batch is not None and self.ctx.options.check_invariants:
+            check_invariants(self.ctx, batch)  # every row, before each step it takes part in
+        return batch
+
+    def _prepare_chooser(self) -> None:
+        """Auto k: measure (or load) the forward costs for the rows that can run now -- min(batch size,
+        requests), in powers of two -- the first time that many can."""
+        chooser = self.llm.chooser
+        if chooser is None:
+            return
+        live = len(self.scheduler.running()) + len(self.scheduler.waiting)
+        if not live:
+            return
+        rows = min(self.batch_size, 1 << (live - 1).bit_length())
+        if rows <= self._calibrated_rows:
+            return
+        requests = self.scheduler.running() + list(self.scheduler.waiting)
+        started = time.perf_counter()
+        prepare_chooser(self.llm, chooser, requests, *self.llm.specs, rows)
+        self.metrics.calibration_s += time.perf_counter() - started  # start-up work, not decoding time
+        self._calibrated_rows = rows
+
+    def _deltas(self) -> list[RequestDelta]:
+        deltas, tokenizer, chooser = [], self.llm.tokenizer, self.llm.chooser
+        finished = []
+        with self._lock:
+            live = list(self._live.items())
+        for rid, r in live:
+            new = r.output_ids[r.reported:]
+            if not new and not r.finished:
+                continue
+            r.reported = len(r.output_ids)
+            text, full = "", None
+            if tokenizer is not None:
+                full = tokenizer.decode(r.output_ids)
+                text = text_delta(full, r.text_sent, r.finished)
+                r.text_sent += text
+            output = None
+            if r.finished:
+                output = RequestOutput.from_request(r, None, full)
+                finished.append(rid)
+                self.metrics.latencies_s.append(output.latency_s)
+                self.metrics.ttfts_s.append(output.time_to_first_token_s)
+                if chooser is not None:
+                    chooser.forget(r)
+            deltas.append(RequestDelta(rid, new, text, r.finished, r.finish_reason, len(r.prompt_ids),
+                                       len(r.output_ids), output))
+        running = len(self.scheduler.running())
+        with self._lock:
+            for rid in finished:
+                del self._live[rid]
+            self._running = running
+        return deltas
+

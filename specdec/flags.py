@@ -1,0 +1,113 @@
+"""The one way from command-line flags to an engine: the engine flags every CLI shares
+(`python -m specdec.run`, `--ray` replicas, `python -m specdec.serve`, the benchmarks) and the `LLM`
+keyword arguments they mean. A flag added here reaches every entry point; none can drop one.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from .prompts import DEFAULT_DRAFT, DEFAULT_TARGET
+
+METHODS = ("ar", "eqspec", "exspec", "ragged")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def k_value(text: str):
+    """-k: "auto" or an int >= 1."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return positive_int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {text!r}") from None
+
+
+# flag dest -> LLM keyword; every flag `add_engine_arguments` adds is here (tests/test_flags.py checks it)
+ENGINE_KWARGS = {
+    "method": "method", "batch_size": "batch_size", "num_speculative_tokens": "num_speculative_tokens",
+    "max_speculative_tokens": "max_speculative_tokens", "window_size": "window_size", "dtype": "dtype",
+    "device": "device", "check_weights": "check_weights", "check_invariants": "check_invariants",
+    "compile": "compile", "packed_weights": "packed_weights", "batch_invariant": "batch_invariant",
+    "profile": "profile",
+}
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str = "rows decoded together") -> None:
+    """The model and engine flags (--target, --draft, --method, -k, ...), shared by every CLI."""
+    p.add_argument("--target", help="target checkpoint: a directory in HF format (config.json, model.safetensors, "
+                   "tokenizer) or a .gguf file; default: the embedded default target")
+    p.add_argument("--draft", help="draft checkpoint (directory or .gguf) sharing the target's tokenizer; default: "
+                   "the embedded default draft")
+    p.add_argument("--method", choices=METHODS, default="eqspec", help="decoding strategy: ar = target only; "
+                   "eqspec = left-padded, realign every step; exspec = same-length groups from a pool; "
+                   "ragged = per-row offsets, never realign")
+    p.add_argument("--batch-size", type=positive_int, default=8, help=batch_help)
+    p.add_argument("-k", "--num-speculative-tokens", type=k_value, default="auto", help="draft tokens per step: "
+                   "'auto' chooses k in 0..--max-speculative-tokens every step from costs measured on this machine "
+                   "(cached under ~/.cache/specdec) and each request's acceptance (0 = a step without the draft); "
+                   "or a fixed integer")
+    p.add_argument("--max-speculative-tokens", type=positive_int, default=8, help="the largest k that -k auto may "
+                   "choose")
+    p.add_argument("--window-size", type=positive_int, default=48, help="exspec: pool of live sequences")
+    p.add_argument("--dtype", choices=("float64", "float32", "bfloat16", "float16"), default="float32",
+                   help="weights and activations")
+    p.add_argument("--device", default="auto", help="auto (CUDA when a GPU is present, else the CPU), cpu, cuda "
+                   "or cuda:N")
+    p.add_argument("--check-weights", action="store_true", help="scan every loaded weight for NaN/inf (after "
+                   "conversion to --dtype) and stop naming the file and key; the summary says how long it took")
+    p.add_argument("--check-invariants", action="store_true", help="check cache/position/mask invariants after "
+                   "every step (slow; raises naming the invariant, row and column)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the target and draft forwards (CUDA: with "
+                   "CUDA graphs); the first steps of each shape compile (tens of seconds on a CPU, see docs/api.md)")
+    p.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="CPU float32: run steps of two or more token rows through oneDNN on linear weights packed "
+                        "once (one extra copy of them; 1.2-1.5x faster multi-token forwards of the default pair, "
+                        "docs/benchmarks.md). Default: on for float32 CPU models whose linear weights take at most "
+                        "1 GiB")
+    p.add_argument("--batch-invariant", action="store_true", help="batch-invariant numerics: a token's logits are "
+                   "the same bits whatever else shares the forward, so greedy speculative output equals AR bit for "
+                   "bit in bfloat16 and float32 too (slower; docs/design.md)")
+    p.add_argument("--profile", action="store_true", help="time every phase of every step (draft, verify, accept, "
+                   "realign...) for the realign share and the JSON metrics; synchronises the device at each phase")
+
+
+def checkpoint_pair(args) -> tuple[str, str | None, bool]:
+    """(target, draft or None for AR, whether it is the embedded default pair), checked to exist."""
+    default_pair = args.target is None and args.draft is None
+    if (args.target is None) != (args.draft is None) and args.method != "ar":
+        raise ValueError("give both --target and --draft, or neither (the embedded default pair)")
+    target = args.target or DEFAULT_TARGET
+    draft = None if args.method == "ar" else (args.draft or DEFAULT_DRAFT)
+    for name, path in (("--target", target), ("--draft", draft)):
+        if path is None:
+            continue
+        if str(path).endswith(".gguf"):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{name} {path}: GGUF file not found")
+        elif not os.path.isdir(path):
+            raise FileNotFoundError(f"{name} {path}: checkpoint directory not found")
+    return target, draft, default_pair
+
+
+def engine_kwargs(args, **overrides) -> dict:
+    """The `LLM` keyword arguments the engine flags of `args` mean (target and draft included);
+    `overrides` replace some (e.g. the device a Ray replica was placed on)."""
+    target, draft, _ = checkpoint_pair(args)
+    kwargs = {"target": target, "draft": draft}
+    kwargs.update({kw: getattr(args, dest) for dest, kw in ENGINE_KWARGS.items()})
+    kwargs.update(overrides)
+    return kwargs
+
+
+def build_llm(args, **overrides):
+    """An `LLM` from the engine flags (the embedded default pair when neither --target nor --draft is given)."""
+    from specdec import LLM
+
+    return LLM(**engine_kwargs(args, **overrides))

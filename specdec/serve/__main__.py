@@ -1,0 +1,91 @@
+"""`python -m specdec.serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) streaming speculative
+decoding. Without --target/--draft it serves the embedded default pair. docs/serve.md has the details."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from specdec.flags import add_engine_arguments, build_llm, checkpoint_pair, positive_int
+
+DEFAULT_MODEL_NAME = "default"  # the embedded pair's name, when --served-model-name is not given
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m specdec.serve",
+        description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                    "/metrics) streaming speculative decoding. Without --target/--draft it serves the embedded "
+                    "default pair.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    p.add_argument("--served-model-name", help="the model name clients send and /v1/models lists (default: "
+                   f"--target as given, or {DEFAULT_MODEL_NAME!r} for the embedded pair)")
+    p.add_argument("--max-waiting", type=positive_int, default=64, help="requests that may wait for a batch row "
+                   "(beyond --batch-size running ones); more are refused with 429 and Retry-After")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for /v1/chat/completions, "
+                   "replacing the checkpoint's (needed when it has none)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGINT/SIGTERM, seconds that running "
+                   "requests get to finish before they are aborted")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="server log level")
+    p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    add_engine_arguments(p, batch_help="the most requests decoding at once (batch rows); more wait for a row, up "
+                         "to --max-waiting")
+    return p
+
+
+def read_chat_template(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template {path}: cannot read it: {e}") from None
+
+
+def set_chat_template(tokenizer, path: str) -> None:
+    """Replace the tokenizer's chat template with the file's (rendered by the same sandboxed Jinja)."""
+    tokenizer.set_chat_template(read_chat_template(path))
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    try:
+        from specdec import SamplingParams
+
+        from .app import build_app
+        from .server import limit_malloc_arenas, run
+        from .worker import warm_up
+    except ImportError as e:
+        print(f"specdec.serve: error: {e.name} is missing: pip install -e '.[serve]'", file=sys.stderr)
+        return 2
+    limit_malloc_arenas()
+    try:
+        _, _, default_pair = checkpoint_pair(args)
+        if args.chat_template:
+            read_chat_template(args.chat_template)  # a bad path fails before minutes of loading
+        llm = build_llm(args)
+        if llm.tokenizer is None:
+            raise ValueError("--target has no tokenizer (tokenizer.model or tokenizer.json); the server needs one")
+        if args.chat_template:
+            set_chat_template(llm.tokenizer, args.chat_template)
+        engine = llm.engine()
+        # one request per row, so auto k calibrates the full batch before the first client arrives
+        warm_up(engine, llm.tokenizer.encode("def main():"), SamplingParams(max_tokens=4, temperature=0.0),
+                llm.batch_size)
+    except (ValueError, OSError) as e:
+        print(f"specdec.serve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specdec.serve: interrupted while loading", file=sys.stderr)
+        return 130
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if default_pair else args.target)
+    started = run(build_app(llm, engine, name, args.max_waiting), args.host, args.port, args.log_level,
+                  not args.no_access_log, args.shutdown_timeout)
+    return 0 if started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""The OpenAI request and response bodies the server speaks, as pydantic models with OpenAI's field names.
+
+Requests are strict: a string where a number belongs, a bool for an integer, NaN or infinity, a negative
+count, an unknown field, or a supported-by-OpenAI feature this server does not implement (n > 1, logprobs,
+echo, penalties, tools...) is refused (400, docs/serve.md) rather than ignored. Extra fields beyond
+OpenAI's, as vLLM takes them: `top_k`, `ignore_eos`, `return_token_ids`."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+
+Int = Annotated[int, Strict()]
+Str = Annotated[str, Strict()]
+Bool = Annotated[bool, Strict()]
+Count = Annotated[int, Strict(), Field(ge=1)]
+Temperature = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
+TopP = Annotated[float, Strict(), Field(gt=0, le=1, allow_inf_nan=False)]
+Stop = Union[Str, Annotated[list[Str], Field(max_length=4)]]
+
+# Fields OpenAI defines that this server does not implement, with the values that mean "not used"; any other
+# value is refused naming the field, so that a client never silently gets less than it asked for.
+UNSUPPORTED = {
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False), "top_logprobs": (None,),
+    "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, False),
+    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
+}
+UNSUPPORTED_WHY = {"n": "n > 1 is not supported: this server returns one choice per request (send n requests, "
+                        "each with its own seed, to sample n completions)"}
+
+
+class ApiError(Exception):
+    """A request the server answers with an OpenAI-shaped error body and this HTTP status."""
+
+    TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error", 500: "internal_error",
+             503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def body(self) -> dict:
+        kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "internal_error")
+        info = ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+
+def parse_request(model: type[BaseModel], raw: bytes):
+    """The request body `raw` as `model`, or ApiError(400) naming the field that is wrong and why."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        field = str(err["loc"][0]) if err["loc"] else None
+        if field in UNION_RULES:  # one error per alternative of the union would only confuse
+            raise ApiError(400, f"{field} must be {UNION_RULES[field]}", param=field) from None
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"][1:]
+                        if isinstance(p, int) or p.isidentifier() and p.islower() and p not in _TYPE_TAGS)
+        raise ApiError(400, f"{field}{where}: {err['msg']}" if field else err["msg"], param=field) from None
+
+
+UNION_RULES = {"prompt": "a string or a list of token ids (integers), or a one-element list of either",
+               "stop": "a string or a list of at most 4 strings"}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}  # pydantic's steps into union alternatives
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: Optional[Bool] = None
+
+
+class _GenerationRequest(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Str
+    max_tokens: Optional[Count] = None
+    temperature: Optional[Temperature] = None  # OpenAI's default: 1
+    top_p: Optional[TopP] = None
+    top_k: Optional[Annotated[int, Strict(), Field(ge=0)]] = None  # extra field (0 = off), as vLLM takes it
+    seed: Optional[Annotated[int, Strict(), Field(ge=-(1 << 63), lt=1 << 64)]] = None
+    stop: Optional[Stop] = None
+    stream: Optional[Bool] = None
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: Optional[Bool] = None  # extra field: generate through EOS up to max_tokens
+    return_token_ids: Optional[Bool] = None  # extra field: the choice carries prompt_token_ids and token_ids
+    user: Optional[Str] = None  # accepted and ignored, as OpenAI's own abuse-monitoring tag
+    metadata: Optional[dict[str, Any]] = None
+    store: Optional[Bool] = None
+    service_tier: Optional[Str] = None
+    # the unsupported ones: typed loosely here, refused by value below
+    n: Any = None
+    best_of: Any = None
+    echo: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    suffix: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        for name, neutral in UNSUPPORTED.items():
+            value = getattr(self, name, None)
+            if not any(value == v and type(value) is type(v) for v in neutral):
+                # not a ValueError: pydantic lets it through as it is, so the error names the field
+                raise ApiError(400, UNSUPPORTED_WHY.get(name, f"{name}={value!r} is not supported by this server"),
+                               param=name, code="unsupported")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_GenerationRequest):
+    # one prompt: text, or token ids; a list holding exactly one of these is taken too
+    prompt: Union[Str, Annotated[list[Int], Field(min_length=1)], Annotated[list[Str], Field(min_length=1)],
+                  Annotated[list[Annotated[list[Int], Field(min_length=1)]], Field(min_length=1)]]
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if isinstance(self.prompt, list) and not isinstance(self.prompt[0], int):
+            if len(self.prompt) != 1:
+                raise ApiError(400, f"a list of {len(self.prompt)} prompts is not supported: send one prompt "
+                                    f"per request", param="prompt", code="unsupported")
+            self.prompt = self.prompt[0]
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: Str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[Str, list[TextPart]]
+    name: Optional[Str] = None
+
+    def as_template_message(self) -> dict:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        message = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Optional[Count] = None  # wins over the older max_tokens
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    parallel_tool_calls: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# --------------------------------------------------------------------------------------------- responses
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")  # token ids (return_token_ids) ride as extra fields
+
+
+class Usage(_Body):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionChoice(_Body):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(_Body):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ChatDelta(_Body):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChoice(_Body):
+    index: int = 0
+    message: ChatDelta
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class ChatChunkChoice(_Body):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(_Body):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Optional[Usage] = None
+
+
+class ChatCompletionChunk(_Body):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(_Body):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specdec"
+    max_model_len: int
+
+
+class ModelList(_Body):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

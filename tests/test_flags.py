@@ -1,0 +1,88 @@
+"""One way from flags to an engine (specdec/flags.py): every engine flag reaches `LLM`, in one process,
+in the --compare-ar AR run and on --ray replicas; a model object given to `LLM` keeps its packing."""
+import argparse
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+import specdec.distributed as distributed
+import specdec.run as run
+from specdec import LLM
+from specdec.flags import ENGINE_KWARGS, add_engine_arguments, engine_kwargs
+from specdec.models import load_model
+from specdec.prompts import DEFAULT_TARGET
+
+
+def test_every_engine_flag_is_an_llm_argument():
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    dests = {a.dest for a in parser._actions} - {"help", "target", "draft"}
+    assert dests == set(ENGINE_KWARGS), "a flag of add_engine_arguments is not mapped to an LLM argument"
+    llm_args = set(inspect.signature(LLM).parameters)
+    assert set(ENGINE_KWARGS.values()) <= llm_args
+
+
+def test_run_parser_passes_every_engine_flag():
+    args = run.build_parser().parse_args(["--batch-invariant", "--no-packed-weights", "--compile", "--profile",
+                                          "--check-weights", "-k", "3", "--method", "ragged", "--dtype", "float64"])
+    kwargs = engine_kwargs(args)
+    assert kwargs["batch_invariant"] is True and kwargs["packed_weights"] is False
+    assert kwargs["compile"] and kwargs["profile"] and kwargs["check_weights"]
+    assert (kwargs["num_speculative_tokens"], kwargs["method"], kwargs["dtype"]) == (3, "ragged", "float64")
+
+
+class Stop(Exception):
+    pass
+
+
+def test_ray_replicas_get_every_engine_flag(monkeypatch):
+    """--ray used to drop --batch-invariant and --packed-weights: the replicas' LLM kwargs are now the
+    one-process kwargs, with only the device replaced."""
+    seen = {}
+
+    def fake_stream_job(ray, chunks, total, replica_kwargs, placement, sink, **kw):
+        seen.update(replica_kwargs["llm_kwargs"])
+        raise Stop()
+
+    fake_ray = SimpleNamespace(cluster_resources=lambda: {"CPU": 2}, shutdown=lambda: None)
+    monkeypatch.setattr(distributed, "import_ray", lambda: fake_ray)
+    monkeypatch.setattr(distributed, "connect", lambda ray, address: False)
+    monkeypatch.setattr(distributed, "stream_job", fake_stream_job)
+    argv = ["--ray", "--replicas", "1", "--device", "cpu", "--batch-invariant", "--no-packed-weights",
+            "--prompt", "x", "-k", "2", "--max-tokens", "2", "--no-compare-ar"]
+    args = run.build_parser().parse_args(argv)
+    with pytest.raises(Stop):
+        run.run(args)
+    expected = engine_kwargs(args, device=seen["device"])
+    assert seen == expected
+    assert seen["batch_invariant"] is True and seen["packed_weights"] is False
+
+
+def test_compare_ar_keeps_no_packed_weights(monkeypatch, capsys):
+    """--compare-ar's AR run shares the target: it used to re-pack it, overriding --no-packed-weights."""
+    built = []
+    original = run.build_llm
+
+    def recording(args, **overrides):
+        llm = original(args, **overrides)
+        built.append(llm)
+        return llm
+
+    monkeypatch.setattr(run, "build_llm", recording)
+    code = run.main(["--prompt", "def f(x):", "--max-tokens", "3", "-k", "2", "--batch-size", "1", "--compare-ar",
+                     "--no-packed-weights", "--no-progress", "--samples", "0"])
+    assert code == 0
+    assert len(built) == 2 and built[1].target is built[0].target
+    assert built[0].target.packed_linear is False and built[0].draft.packed_linear is False
+
+
+def test_model_object_keeps_its_packing():
+    model = load_model(DEFAULT_TARGET, dtype="float32")
+    model.packed_linear = False
+    LLM(model, method="ar")  # packed_weights=None: a model object stays as it is
+    assert model.packed_linear is False
+    LLM(model, method="ar", packed_weights=True)
+    assert model.packed_linear is True
+    LLM(model, method="ar")
+    assert model.packed_linear is True
