@@ -22,7 +22,6 @@ import mmap
 import os
 import re
 import struct
-import time
 from typing import NamedTuple
 
 import numpy as np
@@ -362,7 +361,7 @@ def gguf_name(hf: str) -> str:
 def load_gguf_model(path, dtype=torch.float32, device="cpu", fuse: bool = True,
                     check_weights: bool = False) -> Transformer:
     """Load a GGUF file into our Transformer (see the module docstring). `dtype` is a torch dtype."""
-    from .loader import count_non_finite
+    from .loader import check_finite
 
     path = os.fspath(path)
     device = torch.device(device)
@@ -386,12 +385,7 @@ def load_gguf_model(path, dtype=torch.float32, device="cpu", fuse: bool = True,
         written = final[param] if row is None else final[param][row: row + weights.shape(name)[0]]
         weights.read_into(name, written)
         if check_weights:
-            started = time.perf_counter()
-            bad = count_non_finite(written)
-            check_s += time.perf_counter() - started
-            if bad:
-                raise CheckpointError(f"{path}: tensor {weights.names[name].name!r} has {bad} non-finite value(s) "
-                                      f"(NaN/inf) as {str(dtype).removeprefix('torch.')}")
+            check_s += check_finite(written, f"{path}: tensor {weights.names[name].name!r}")
     model.load_state_dict(final, strict=not weights.tied, assign=True)
     if weights.tied:
         model.lm_head.weight = model.embed_tokens.weight

@@ -98,6 +98,17 @@ def count_non_finite(tensor: torch.Tensor) -> int:
     return bad
 
 
+def check_finite(tensor: torch.Tensor, what: str) -> float:
+    """Raise CheckpointError naming `what` (file and weight) if `tensor` holds NaN/inf; returns the seconds
+    the scan took (`check_weights=True` reports them)."""
+    started = time.perf_counter()
+    bad = count_non_finite(tensor)
+    if bad:
+        raise CheckpointError(f"{what} has {bad} non-finite value(s) (NaN/inf) as "
+                              f"{str(tensor.dtype).removeprefix('torch.')}")
+    return time.perf_counter() - started
+
+
 def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_weights: bool = False) -> Transformer:
     """Load an HF checkpoint directory (Llama/Vicuna, Qwen3, GLM-4) into our Transformer.
 
@@ -165,12 +176,7 @@ def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_wei
                     del mapped
                     origin[name] = file
                     if check_weights:
-                        started = time.perf_counter()
-                        bad = count_non_finite(written)
-                        check_s += time.perf_counter() - started
-                        if bad:
-                            raise CheckpointError(f"{file}: weight {key!r} has {bad} non-finite value(s) (NaN/inf) "
-                                                  f"as {str(dtype).removeprefix('torch.')}")
+                        check_s += check_finite(written, f"{file}: weight {key!r}")
         except SafetensorError as err:
             raise CheckpointError(f"{file}: cannot read safetensors file ({err})") from None
         except OSError as err:

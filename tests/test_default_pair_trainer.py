@@ -1,18 +1,15 @@
 """The default-pair trainer (bench/default_pair): its pieces on tiny models, and one whole run on a tiny
 synthetic "stdlib" (seconds), checking the saved checkpoints, the prompts file and the generated doc."""
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for the `bench` package
 
-from bench.default_pair import checkpoint, data, evaluate, train  # noqa: E402
-from bench.default_pair.__main__ import main  # noqa: E402
-from specdec.prompts import read_prompts  # noqa: E402
+from bench.default_pair import checkpoint, data, evaluate, train
+from bench.default_pair.__main__ import main
+from specdec.prompts import read_prompts
 
 pytestmark = pytest.mark.slow  # not in the fast lane (pytest.ini)
 

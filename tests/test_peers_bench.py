@@ -1,13 +1,11 @@
 """bench/peers.py: its --quick run (tiny pair, a few tokens) writes the promised outputs with the promised
 structure, and without transformers it prints one line and exits 2."""
 import json
-import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from bench import peers  # noqa: E402
+from bench import peers
 
 pytestmark = pytest.mark.slow  # not in the fast lane (pytest.ini)
 

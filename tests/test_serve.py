@@ -7,10 +7,8 @@ Server and offline reference run the embedded pair in float32 with `batch_invari
 depend on what shares its batch), so greedy equality is exact whatever the server's batches were."""
 import asyncio
 import json
-import os
 import re
 import signal
-import sys
 import time
 
 import pytest
@@ -25,7 +23,6 @@ from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.prompts import DEFAULT_DRAFT, DEFAULT_PROMPTS, DEFAULT_TARGET, read_prompts  # noqa: E402
 from specdec.serve.__main__ import set_chat_template  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from bench import serve as launcher  # noqa: E402  (free_port, launch, stop)
 
 pytestmark = pytest.mark.slow  # not in the fast lane (pytest.ini)

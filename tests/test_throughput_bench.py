@@ -2,10 +2,8 @@
 and --replot merging a sweep run in two parts (small and large batch sizes) into one table and plot."""
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from bench import throughput  # noqa: E402
+from bench import throughput
 
 import pytest
 
