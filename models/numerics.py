@@ -34,6 +34,11 @@ from specdec.kernels.dispatch import choose_backend
 # (M = 2..8 measured 1.8-2.9x the time of M = 1 at K = 384, N = 1536), oneDNN's blocked kernel on a
 # weight packed once stays nearly flat; the packed copy is extra memory, so it is on by default only up to:
 PACKED_LINEAR_LIMIT_BYTES = 1 << 30
+# the packed path runs steps of 2..PACKED_MAX_ROWS token rows (verify passes, batched decode steps), where it
+# beats MKL; larger ones (prefills) keep MKL's GEMM, which is efficient there. oneDNN caches a primitive per
+# input shape: unbounded row counts (every prefill width) grew a long-lived engine's RSS by ~150 MiB over
+# 1,000 requests; with the bound the shapes, and so the cache, stay few
+PACKED_MAX_ROWS = 64
 SILU_INVARIANT_DTYPES = (torch.bfloat16,)  # torch's CPU F.silu gives the same bits for every element position
 
 
@@ -80,7 +85,7 @@ def linear(layer: nn.Linear, x, invariant: bool, backend: str | None = None, pac
         return bi_linear(x, layer.weight, layer.bias, packed=packed_weight(layer), backend=backend)
     if packed and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling():
         rows = x.numel() // x.shape[-1]
-        weight = packed_weight(layer) if rows >= 2 else None  # one row: MKL's GEMV is the faster kernel
+        weight = packed_weight(layer) if 2 <= rows <= PACKED_MAX_ROWS else None  # 1 row: MKL's GEMV is faster
         if weight is not None:
             out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]).contiguous(), weight, layer.bias,
                                                      "none", [], "")  # [M, N]

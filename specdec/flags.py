@@ -67,7 +67,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str = "rows dec
     p.add_argument("--compile", action="store_true", help="torch.compile the target and draft forwards (CUDA: with "
                    "CUDA graphs); the first steps of each shape compile (tens of seconds on a CPU, see docs/api.md)")
     p.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="CPU float32: run steps of two or more token rows through oneDNN on linear weights packed "
+                   help="CPU float32: run steps of 2 to 64 token rows through oneDNN on linear weights packed "
                         "once (one extra copy of them; 1.2-1.5x faster multi-token forwards of the default pair, "
                         "docs/benchmarks.md). Default: on for float32 CPU models whose linear weights take at most "
                         "1 GiB")
