@@ -20,7 +20,7 @@ setup(
         "specdec.kernels": "kernels",
         "specdec.models": "models",
     },
-    package_data={"specdec": ["assets/prompts.txt", "assets/default_pair/*/*"]},
+    package_data={"specdec": ["assets/prompts.txt", "assets/default_pair/*/*", "assets/drafts/*/*"]},
     install_requires=[
         "torch>=2.4",
         "triton>=3.0; platform_system == 'Linux'",

@@ -21,7 +21,6 @@ Everything lands in --out (default bench/results/batch_invariant/) as JSON and a
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import statistics
@@ -31,7 +30,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import REPO, command_line, fmt_spread, interleave, machine_line, pair_dirs, random_prompts
+from bench.common import (REPO, HelpFormatter, comma_list, command_line, file_sha256, fmt_spread, interleave,
+                          machine_line, md_table, pair_dirs, random_prompts)
 
 SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "batch_invariant")
@@ -40,11 +40,6 @@ SPEC_METHODS = ("eqspec", "ragged", "exspec")
 
 def log(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
-
-
-def file_sha(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
 # ------------------------------------------------------------------------------------------------ probe
@@ -152,20 +147,15 @@ def probe(args) -> dict:
 
 
 def probe_table(results: dict) -> str:
-    dtypes = list(results)
-    ops = list(dict.fromkeys(op for d in dtypes for op in results[d]))
-    lines = ["| op | " + " | ".join(dtypes) + " |", "|---|" + "---|" * len(dtypes)]
-    for op in ops:
-        cells = []
-        for d in dtypes:
-            if op not in results[d]:
-                cells.append("-")
-                continue
-            bad, total = results[d][op]
-            n = bad if isinstance(bad, int) else len(bad)
-            cells.append("invariant" if n == 0 else f"**varies** ({n}/{total})")
-        lines.append(f"| {op} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    def cell(op, dtype):
+        if op not in results[dtype]:
+            return "-"
+        bad, total = results[dtype][op]
+        n = bad if isinstance(bad, int) else len(bad)
+        return "invariant" if n == 0 else f"**varies** ({n}/{total})"
+
+    ops = dict.fromkeys(op for d in results for op in results[d])
+    return md_table(["op", *results], ([op] + [cell(op, d) for d in results] for op in ops))
 
 
 # ------------------------------------------------------------------------------------------ equivalence
@@ -195,8 +185,9 @@ def equivalence(args) -> dict:
         max_prompt = min(max_prompt, args.max_prompt_tokens)
     ids, cut = specbench_ids(args.prompts, tokenizer, args.num_prompts, max_prompt)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    info = {"target": target, "draft": draft, "target_sha256": file_sha(os.path.join(target, "model.safetensors")),
-            "draft_sha256": file_sha(os.path.join(draft, "model.safetensors")), "prompts": args.prompts,
+    info = {"target": target, "draft": draft, "prompts": args.prompts,
+            "target_sha256": file_sha256(os.path.join(target, "model.safetensors"), 16),
+            "draft_sha256": file_sha256(os.path.join(draft, "model.safetensors"), 16),
             "num_prompts": len(ids), "max_prompt_tokens": max_prompt,
             "prompts_cut": cut,
             "max_tokens": args.max_tokens, "k": args.k, "batch_size": args.batch_size, "machine": machine_line(),
@@ -227,17 +218,11 @@ def equivalence(args) -> dict:
 
 
 def equivalence_table(info: dict) -> str:
-    lines = ["| dtype | batch_invariant | " + " | ".join(f"{m} == AR@1" for m in SPEC_METHODS) + " |",
-             "|---|---|" + "---|" * len(SPEC_METHODS)]
-    runs = info["runs"]
-    for dtype in dict.fromkeys(r["dtype"] for r in runs):
-        for mode in dict.fromkeys(r["batch_invariant"] for r in runs if r["dtype"] == dtype):
-            cells = []
-            for m in SPEC_METHODS:
-                r = next((r for r in runs if (r["dtype"], r["batch_invariant"], r["method"]) == (dtype, mode, m)), None)
-                cells.append("-" if r is None else f"{r['matches']}/{r['of']}")
-            lines.append(f"| {dtype} | {'on' if mode else 'off'} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    by = {(r["dtype"], r["batch_invariant"], r["method"]): r for r in info["runs"]}
+    rows = [[dtype, "on" if mode else "off"] + [f"{by[dtype, mode, m]['matches']}/{by[dtype, mode, m]['of']}"
+                                                 if (dtype, mode, m) in by else "-" for m in SPEC_METHODS]
+            for dtype, mode in dict.fromkeys((r["dtype"], r["batch_invariant"]) for r in info["runs"])]
+    return md_table(["dtype", "batch_invariant"] + [f"{m} == AR@1" for m in SPEC_METHODS], rows)
 
 
 # ------------------------------------------------------------------------------------------------ cost
@@ -285,7 +270,7 @@ def cost(args) -> dict:
                 cell = {"pair": pair, "dtype": dtype, "method": method, "batch_size": batch,
                         "tokens_per_s_off": statistics.median(off), "tokens_per_s_on": statistics.median(on),
                         "slowdown": statistics.median(ratios), "slowdown_min": min(ratios),
-                        "slowdown_max": max(ratios), "runs_off": off, "runs_on": on}
+                        "slowdown_max": max(ratios), "slowdown_runs": ratios, "runs_off": off, "runs_on": on}
                 info["cells"].append(cell)
                 log(f"[cost] {pair} {dtype} {method}@{batch}: off {cell['tokens_per_s_off']:.1f} tok/s, on "
                     f"{cell['tokens_per_s_on']:.1f} tok/s, slowdown {cell['slowdown']:.2f}x")
@@ -294,24 +279,24 @@ def cost(args) -> dict:
 
 
 def cost_table(info: dict) -> str:
-    lines = ["| pair | dtype | method @ batch | tokens/s off | tokens/s on | slowdown (off/on), median (min–max) |",
-             "|---|---|---|---:|---:|---|"]
-    for c in info["cells"]:
-        slowdown = {"median": c["slowdown"], "min": c["slowdown_min"], "max": c["slowdown_max"]}
-        lines.append(f"| {c['pair']} | {c['dtype']} | {c['method']} @ {c['batch_size']} | "
-                     f"{c['tokens_per_s_off']:.1f} | {c['tokens_per_s_on']:.1f} | {fmt_spread(slowdown, '{:.2f}')}x |")
-    return "\n".join(lines)
+    return md_table(
+        ["pair", "dtype", "method @ batch", "tokens/s off", "tokens/s on", "slowdown (off/on), median (min–max)"],
+        ([c["pair"], c["dtype"], f"{c['method']} @ {c['batch_size']}", f"{c['tokens_per_s_off']:.1f}",
+          f"{c['tokens_per_s_on']:.1f}", fmt_spread(c["slowdown_runs"], "{:.2f}") + "x"] for c in info["cells"]),
+        right={3, 4})
 
 
 # ------------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("what", choices=("probe", "equivalence", "cost"))
     p.add_argument("--prompts", default=SPEC_BENCH, help="SpecBench-style question.jsonl (first turns)")
     p.add_argument("--num-prompts", type=int, default=None, help="equivalence: the first N prompts (default all)")
-    p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated")
-    p.add_argument("--modes", default="off,on", help="equivalence: batch_invariant off and/or on")
+    p.add_argument("--dtypes", type=comma_list(("bfloat16", "float32", "float64", "float16")),
+                   default="bfloat16,float32", help="comma-separated")
+    p.add_argument("--modes", type=comma_list(("off", "on")), default="off,on",
+                   help="equivalence: batch_invariant off and/or on")
     p.add_argument("--target", default=None, help="equivalence: target checkpoint (default: the default pair)")
     p.add_argument("--draft", default=None, help="equivalence: draft checkpoint (default: the default pair)")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -319,23 +304,21 @@ def main(argv=None) -> int:
                    help="equivalence: cut prompts to this many tokens (default: what fits the context)")
     p.add_argument("-k", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=8, help="equivalence: batch of the speculative methods")
-    p.add_argument("--pairs", default="default,synthetic", help="cost: comma-separated, default and/or synthetic")
+    p.add_argument("--pairs", type=comma_list(("default", "synthetic")), default="default,synthetic",
+                   help="cost: comma-separated, default and/or synthetic")
     p.add_argument("--cost-prompts", type=int, default=16, help="cost: prompts per batch-8 run")
     p.add_argument("--cost-prompts-b1", type=int, default=4, help="cost: prompts per batch-1 run")
     p.add_argument("--rounds", type=int, default=3, help="cost: interleaved rounds")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--out", default=DEFAULT_OUT)
     args = p.parse_args(argv)
-    args.dtypes = [d for d in args.dtypes.split(",") if d]
-    args.modes = [{"off": False, "on": True}[m] for m in args.modes.split(",") if m]
-    args.pairs = [x for x in args.pairs.split(",") if x]
+    args.modes = [m == "on" for m in args.modes]
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     command = command_line("bench.batch_invariant", argv)
     t0 = time.perf_counter()
     if args.what == "probe":
-        result, table = probe(args), None
-        table = probe_table(result)
+        table = probe_table(probe(args))
         result = {"machine": machine_line(), "table": table}
     elif args.what == "equivalence":
         result = equivalence(args)

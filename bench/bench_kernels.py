@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 
 import pytest
 import torch
 
+from bench.common import interleave, stopwatch
 from specdec.kernels import noise as nse
 from specdec.kernels import realign as rea
 from specdec.kernels import rejection as rej
@@ -54,24 +54,21 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _time(fn, reps=3) -> float:
-    """Median seconds of fn() (synchronised)."""
-    fn()
-    _sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _run(benchmark, fn):
+def _synced(fn):
+    """fn, then a wait for the GPU (CUDA)."""
     def call():
         fn()
         _sync()
+    return call
 
+
+def _time(fn, reps=3) -> float:
+    """Median seconds of fn() (synchronised), after one untimed call."""
+    return statistics.median(interleave({"fn": stopwatch(_synced(fn))}, reps)["fn"])
+
+
+def _run(benchmark, fn):
+    call = _synced(fn)
     if CUDA:
         from triton.testing import do_bench
 

@@ -1,5 +1,6 @@
-"""What every benchmark shares: interleaved repeated timing, medians with spread, the machine's metadata, the
-command line that reproduces a run, the benchmark pairs and argparse's help format.
+"""What every benchmark shares: interleaved repeated timing, medians with spread, markdown tables, the machine's
+metadata, the command line that reproduces a run, argparse's help format and list types (and --quick defaults),
+the benchmark pairs and their prompts, JSONL files, figures and process memory.
 
 One forward on a prefilled cache (prefill, time, rewind) is the runtime's own `specdec.timing` (auto k
 calibrates with it).
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
+import json
 import os
 import platform
 import random
@@ -66,6 +69,14 @@ def fmt_spread(values, spec: str = "{:.1f}", none: str = "–") -> str:
     return f"{spec.format(s['median'])} ({spec.format(s['min'])}–{spec.format(s['max'])})"
 
 
+def md_table(header: list[str], rows, right=()) -> str:
+    """A markdown table: the header's cells, then one line per row (str() of every cell); the columns whose
+    indexes are in `right` are right-aligned."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "".join("---:|" if i in right else "---|"
+                                                             for i in range(len(header)))]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
 # ------------------------------------------------------------------------------------- machine, command
 def git_revision() -> str:
     """HEAD of the repository, with '+dirty' when tracked files are modified ('' outside git)."""
@@ -98,6 +109,34 @@ def machine_line(m: dict | None = None) -> str:
 def command_line(module: str, argv=None) -> str:
     """The command that reproduces this run, e.g. 'python -m bench.forward --quick'."""
     return " ".join(["python", "-m", module] + [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])
+
+
+def comma_list(choices=None):
+    """An argparse type: comma-separated items ('a, b' -> ['a', 'b']), at least one, each one of `choices`
+    where given; a bad value is one line naming the flag."""
+    def parse(text: str) -> list[str]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if choices is not None and x not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: " + (f"unknown {', '.join(bad)}; choose from "
+                                             f"{', '.join(choices)}" if bad else "give at least one"))
+        return items
+    return parse
+
+
+def comma_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 1, sorted, each once ('8,1,8' -> [1, 8])."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items or not all(x.isdigit() and int(x) >= 1 for x in items):
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers >= 1")
+    return sorted({int(x) for x in items})
+
+
+def parse_with_quick(parser: argparse.ArgumentParser, quick: dict, argv=None) -> argparse.Namespace:
+    """Parses argv; with --quick the `quick` values become the defaults (flags given explicitly still win)."""
+    if parser.parse_known_args(argv)[0].quick:
+        parser.set_defaults(**quick)
+    return parser.parse_args(argv)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -137,3 +176,71 @@ def evenly_spaced(items: list, n: int) -> list:
     if n <= len(items):
         return [items[(i * len(items)) // n] for i in range(n)]
     return [items[i % len(items)] for i in range(n)]
+
+
+def checkpoint_tokenizer(path: str):
+    """The tokenizer of a checkpoint (a directory with tokenizer.model/tokenizer.json, or a .gguf file), or None
+    for a pair that has none (bench/pairs.py's random pairs)."""
+    from specdec.models import is_gguf, load_tokenizer
+
+    if is_gguf(path) or any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.model", "tokenizer.json")):
+        return load_tokenizer(path)
+    return None
+
+
+def prompt_ids(texts: list[str], tokenizer, vocab: int) -> tuple[list[list[int]], str]:
+    """Token ids of text prompts: the tokenizer's, or UTF-8 bytes (id = byte + 3) without one; and which."""
+    if tokenizer is not None:
+        return [tokenizer.encode(t) for t in texts], "target tokenizer"
+    return [[(b + 3) % vocab for b in t.encode("utf-8")] for t in texts], "UTF-8 bytes + 3 (no tokenizer)"
+
+
+def lengths_text(ids: list[list[int]]) -> str:
+    """'min / median / max' of the prompts' token lengths."""
+    lengths = sorted(len(x) for x in ids)
+    return f"{lengths[0]} / {int(statistics.median(lengths))} / {lengths[-1]}"
+
+
+# ------------------------------------------------------------------------------------------------ files
+def shown(path: str) -> str:
+    """A path as reports show it: relative to the repository when inside it."""
+    return os.path.relpath(path, REPO) if os.path.abspath(path).startswith(REPO + os.sep) else path
+
+
+def file_sha256(path: str, n: int = 12) -> str:
+    """The first n hex digits of a file's sha256 (read in 1 MiB chunks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:n]
+
+
+def write_jsonl(path: str, records) -> None:
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def read_jsonl(path: str) -> list:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def save_figure(fig, path: str, dpi: int = 90) -> str:
+    """Writes a matplotlib figure to path and closes it; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def rss_mib(pid: int | str = "self") -> float:
+    """A process's resident memory now (VmRSS of /proc/PID/status), in MiB; NaN where there is none."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")

@@ -36,14 +36,14 @@ import time
 
 import torch
 
-from bench.common import command_line, fmt_spread, machine_line
+from bench.common import HelpFormatter, command_line, fmt_spread, machine_line, md_table
 from specdec import LLM, SamplingParams, distributed
 from specdec.prompts import DEFAULT_DRAFT, DEFAULT_PROMPTS, DEFAULT_TARGET, read_prompts
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
     p.add_argument("--num-prompts", type=int, default=64, help="the built-in prompts, cycled to this many")
@@ -139,23 +139,19 @@ def main(argv=None) -> int:
           f"{args.batch_size}, k {args.num_speculative_tokens}, {args.dtype}; pair {args.target} / {args.draft}; "
           f"Ray blocks of {args.block_size} prompts; {args.repeats} repeats, median (min-max). "
           f"ray {ray.__version__}; {started}, {load_after[0]:.1f} after.\n")
-    print("| | tokens/s | ratio to 1 process x 2 threads (same repeat) |")
-    print("|---|---|---|")
-    print(f"| 1 process x 2 threads (generate) | {fmt_spread(col('single_tps'))} | 1 |")
-    print(f"| 1 process x 2 threads (load + generate) | {fmt_spread(col('single_tps_with_load'))} | |")
-    print(f"| 2 Ray replicas x 1 thread, end to end (job wall) | {fmt_spread(col('ray_tps'))} | "
-          f"{fmt_spread(ratio_e2e, '{:.2f}')} |")
-    print(f"| 2 Ray replicas x 1 thread, while decoding (tokens / replicas' generate time) | "
-          f"{fmt_spread(col('ray_decode_tps'))} | {fmt_spread(ratio_decode, '{:.2f}')} |")
-    print()
-    print("| Ray start-up | seconds |")
-    print("|---|---|")
-    print(f"| ray.init, local instance (2 CPUs, no dashboard) | {fmt_spread(col('ray_init_s'), '{:.2f}')} |")
-    print(f"| empty job (2 prompts x 1 token: replicas start, load the pair) | "
-          f"{fmt_spread(col('empty_job_s'), '{:.2f}')} |")
-    print(f"| first block of the ray job | {fmt_spread(col('ray_first_block_s'), '{:.2f}')} |")
-    print(f"| (replicas decoding, share of the ray job) | {fmt_spread(col('ray_utilisation'), '{:.0%}')} |")
-    print(f"| single process: LLM load | {fmt_spread(col('single_load_s'), '{:.2f}')} |")
+    print(md_table(["", "tokens/s", "ratio to 1 process x 2 threads (same repeat)"], [
+        ["1 process x 2 threads (generate)", fmt_spread(col("single_tps")), 1],
+        ["1 process x 2 threads (load + generate)", fmt_spread(col("single_tps_with_load")), ""],
+        ["2 Ray replicas x 1 thread, end to end (job wall)", fmt_spread(col("ray_tps")),
+         fmt_spread(ratio_e2e, "{:.2f}")],
+        ["2 Ray replicas x 1 thread, while decoding (tokens / replicas' generate time)",
+         fmt_spread(col("ray_decode_tps")), fmt_spread(ratio_decode, "{:.2f}")]]) + "\n")
+    print(md_table(["Ray start-up", "seconds"], ([label, fmt_spread(col(key), spec)] for label, key, spec in (
+        ("ray.init, local instance (2 CPUs, no dashboard)", "ray_init_s", "{:.2f}"),
+        ("empty job (2 prompts x 1 token: replicas start, load the pair)", "empty_job_s", "{:.2f}"),
+        ("first block of the ray job", "ray_first_block_s", "{:.2f}"),
+        ("(replicas decoding, share of the ray job)", "ray_utilisation", "{:.0%}"),
+        ("single process: LLM load", "single_load_s", "{:.2f}")))))
     print(f"\nrequests with the same tokens as the single run: {fmt_spread(col('same_tokens'), '{:.0%}')}")
     if args.out:
         with open(args.out, "w") as f:

@@ -11,9 +11,9 @@ a cache, then time decode steps of T new tokens on top of that prefix:
   after each timed step it is cropped back to the prefix (`DynamicCache.crop`, outside the timed region).
 
 Both compute logits for all T positions (HF's default). Repetitions of ours and HF are interleaved (the
-order alternates each repetition; specdec.timing.PrefilledCache times ours) so drift in machine load hits both; the median time per step is
-reported, with `speedup = HF / ours` (> 1: ours is faster). The first step's logits of both are compared
-as a sanity check (`max|dlogit|`).
+order alternates each repetition; specdec.timing.PrefilledCache times ours) so drift in machine load hits both;
+the median time per step is reported, with `speedup = HF / ours` (> 1: ours is faster). The first step's logits
+of both are compared as a sanity check (`max|dlogit|`).
 
     python -m bench.forward --threads 2 --repeats 30
     python -m bench.forward --quick          # tiny model, a smoke test that the script runs
@@ -21,7 +21,6 @@ as a sanity check (`max|dlogit|`).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -30,7 +29,7 @@ import tempfile
 
 import torch
 
-from bench.common import command_line, interleave, machine, machine_line
+from bench.common import HelpFormatter, command_line, interleave, machine, machine_line, md_table
 from specdec.models import load_model
 from specdec.timing import PrefilledCache
 
@@ -44,7 +43,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Time one decode step of our Transformer vs transformers' forward (same random Llama "
                     "checkpoint, same cache prefix, interleaved repetitions); prints a markdown table.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1),
                    help="torch intra-op CPU threads (torch.set_num_threads) used by both models")
     p.add_argument("--repeats", type=int, default=30,
@@ -59,8 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--capacity", type=int, default=256, help="columns of our preallocated KV cache")
     p.add_argument("--layout", default="ragged", choices=["ragged", "left"], help="our cache layout")
     p.add_argument("--device", default="cpu", help="torch device for both models")
-    p.add_argument("--out", default=None,
-                   help="also write the results to this file: .json for JSON, anything else for CSV")
+    p.add_argument("--out", default=None, help="also write the settings, header and rows to this JSON file")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: a tiny 2-layer model, prefill 32, 3 repeats (numbers not meaningful)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and token ids")
@@ -68,7 +66,8 @@ def parse_args(argv=None):
     if args.quick:
         args.prefill, args.repeats, args.warmup, args.capacity = 32, 3, 1, 64
     if args.prefill + max(args.new_tokens) > args.capacity:
-        p.error(f"--prefill {args.prefill} + max --new-tokens {max(args.new_tokens)} exceeds --capacity {args.capacity}")
+        p.error(f"--prefill {args.prefill} + max --new-tokens {max(args.new_tokens)} exceeds --capacity "
+                f"{args.capacity}")
     return args
 
 
@@ -140,21 +139,15 @@ def main(argv=None):
               f"layout), HF attn_implementation={attn}, median of {args.repeats}; transformers "
               f"{__import__('transformers').__version__}; {machine_line(started)}")
     print(header + "\n")
-    print("| batch | new tokens/row | ours ms/step | HF ms/step | ours/HF | speedup (HF/ours) | max abs dlogit |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['batch']} | {r['new_tokens']} | {r['ours_ms']:.2f} | {r['hf_ms']:.2f} | "
-              f"{r['ratio_ours_over_hf']:.2f} | {r['speedup']:.2f}x | {r['max_abs_logit_diff']:.1e} |")
+    print(md_table(["batch", "new tokens/row", "ours ms/step", "HF ms/step", "ours/HF", "speedup (HF/ours)",
+                    "max abs dlogit"],
+                   ([r["batch"], r["new_tokens"], f"{r['ours_ms']:.2f}", f"{r['hf_ms']:.2f}",
+                     f"{r['ratio_ours_over_hf']:.2f}", f"{r['speedup']:.2f}x", f"{r['max_abs_logit_diff']:.1e}"]
+                    for r in rows), right=range(7)))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        if args.out.endswith(".json"):
-            with open(args.out, "w") as f:
-                json.dump(dict(settings=vars(args), params=n_params, header=header, rows=rows), f, indent=2)
-        else:
-            with open(args.out, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=list(rows[0]))
-                w.writeheader()
-                w.writerows(rows)
+        with open(args.out, "w") as f:
+            json.dump(dict(settings=vars(args), params=n_params, header=header, rows=rows), f, indent=2)
     return rows
 
 

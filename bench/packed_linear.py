@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench.common import REPO, command_line, fmt_spread, interleave, machine_line, stopwatch
+from bench.common import REPO, comma_ints, command_line, fmt_spread, interleave, machine_line, md_table, stopwatch
 from specdec.models import load_model, numerics
 from specdec.timing import time_forward
 
@@ -31,7 +31,7 @@ def parse_args(argv=None):
     p.add_argument("--forward-repeats", type=int, default=30, help="timed forwards per (B, T, packing)")
     p.add_argument("--in-features", type=int, default=384, help="K of the single layer")
     p.add_argument("--out-features", type=int, default=1536, help="N of the single layer")
-    p.add_argument("--rows", default="1,2,3,4,6,8,16,48", help="comma-separated M of the single layer")
+    p.add_argument("--rows", type=comma_ints, default="1,2,3,4,6,8,16,48", help="comma-separated M of the single layer")
     p.add_argument("--target", default=TARGET, help="checkpoint for part 2")
     return p.parse_args(argv)
 
@@ -39,16 +39,16 @@ def parse_args(argv=None):
 def layer_table(args) -> str:
     weight = torch.randn(args.out_features, args.in_features)  # [N, K]
     packed = numerics.pack_weight(weight)
-    lines = ["| M | F.linear (us) | packed oneDNN (us) | F.linear / packed |", "|---:|---:|---:|---:|"]
-    for m in (int(r) for r in args.rows.split(",")):
+    rows = []
+    for m in args.rows:
         x = torch.randn(m, args.in_features)  # [M, K]
         times = interleave({"mkl": stopwatch(lambda: F.linear(x, weight)),
                             "packed": stopwatch(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none",
                                                                                             [], ""))},
                            args.repeats, warmup=20)
         a, b = (1e6 * statistics.median(times[name]) for name in ("mkl", "packed"))
-        lines.append(f"| {m} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
-    return "\n".join(lines)
+        rows.append([m, f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}x"])
+    return md_table(["M", "F.linear (us)", "packed oneDNN (us)", "F.linear / packed"], rows, right=range(4))
 
 
 def forward_table(args) -> str:
@@ -61,12 +61,9 @@ def forward_table(args) -> str:
             for B, T in shapes:
                 t, _ = time_forward(model, B, T, 64, 1)
                 times.setdefault((B, T, packed), []).append(t * 1e3)
-    lines = ["| B | T | unpacked (ms) | packed (ms) | unpacked / packed |", "|---:|---:|---:|---:|---:|"]
-    for B, T in shapes:
-        off, on = times[(B, T, False)], times[(B, T, True)]
-        ratio = statistics.median(off) / statistics.median(on)
-        lines.append(f"| {B} | {T} | {fmt_spread(off)} | {fmt_spread(on)} | {ratio:.2f}x |")
-    return "\n".join(lines)
+    rows = [[B, T, fmt_spread(times[B, T, False]), fmt_spread(times[B, T, True]),
+             f"{statistics.median(times[B, T, False]) / statistics.median(times[B, T, True]):.2f}x"] for B, T in shapes]
+    return md_table(["B", "T", "unpacked (ms)", "packed (ms)", "unpacked / packed"], rows, right=range(5))
 
 
 def main(argv=None) -> None:

@@ -42,7 +42,6 @@ line per pair x dtype x method x batch size), peers.md (also printed) and peers-
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import statistics
@@ -53,11 +52,15 @@ from dataclasses import dataclass, field
 import torch
 
 from bench.bandwidth import read_bandwidth
-from bench.common import (REPO, HelpFormatter, command_line, evenly_spaced, fmt_spread, k_text, machine, pair_dirs,
-                          spread)
+from bench.common import (REPO, HelpFormatter, checkpoint_tokenizer, comma_ints, comma_list, command_line,
+                          evenly_spaced, file_sha256, fmt_spread, k_text, lengths_text, machine, md_table, pair_dirs,
+                          parse_with_quick, prompt_ids, read_jsonl, save_figure, shown, spread,
+                          write_jsonl)
 from bench.pairs import DEFAULT_PAIR_DIR
 from specdec import LLM, METHODS, SamplingParams
-from specdec.models import is_gguf, load_model, load_tokenizer
+from specdec.drafts import shipped_draft
+from specdec.models import is_gguf, load_model
+from specdec.models.feature_draft import is_feature_draft, load_feature_draft
 from specdec.prompts import DEFAULT_PROMPTS, read_prompts
 
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "peers")
@@ -83,7 +86,7 @@ class Variant:
     compile: bool = False
 
     def runs_at(self, batch_size: int) -> bool:
-        return not (self.engine == "hf" and self.method == "assisted" and batch_size != 1)
+        return not (self.engine == "hf" and self.method in ("assisted", "lookup") and batch_size != 1)
 
     @property
     def speculative(self) -> bool:
@@ -99,6 +102,10 @@ def parse_variant(label: str) -> Variant:
     name, _, k = base.partition(":")
     if name == "hf-ar" and not k and not compiled:
         return Variant("hf-ar", "hf", "ar")
+    if name == "hf-lookup" and not compiled:
+        if k.isdigit() and int(k) >= 1:
+            return Variant(f"hf-lookup:{int(k)}", "hf", "lookup", int(k))
+        raise ValueError(f"--methods {label!r}: hf-lookup takes ':N' (prompt_lookup_num_tokens, an integer >= 1)")
     if name == "hf-assisted" and not compiled:
         if k == "default":
             return Variant("hf-assisted:default", "hf", "assisted", "default")
@@ -107,7 +114,7 @@ def parse_variant(label: str) -> Variant:
         raise ValueError(f"--methods {label!r}: hf-assisted takes ':K' (an integer >= 1) or ':default'")
     if name not in METHODS:
         raise ValueError(f"--methods {label!r}: unknown method; choose from hf-ar, hf-assisted:K, "
-                         f"hf-assisted:default, {', '.join(METHODS)} (with ':K' or ':auto', and '+compile')")
+                         f"hf-assisted:default, hf-lookup:N, {', '.join(METHODS)} (with ':K' or ':auto', and '+compile')")
     if name == "ar":
         if k:
             raise ValueError(f"--methods {label!r}: ar takes no k")
@@ -148,7 +155,7 @@ def parse_args(argv=None):
                     "prompts, exactly N new tokens each, greedy, interleaved and repeated. Writes peers.jsonl, "
                     "peers.md (printed) and peers-<pair>.png to --out.",
         formatter_class=HelpFormatter)
-    p.add_argument("--pairs", default="default,synthetic",
+    p.add_argument("--pairs", type=comma_list(PAIRS), default="default,synthetic",
                    help=f"comma-separated pairs from {', '.join(PAIRS)} ('default': the embedded pair; 'synthetic': "
                         f"bench/pairs.py's 113M/19M pair; 'tiny': its toy version)")
     p.add_argument("--pair-dir", default=None,
@@ -159,14 +166,18 @@ def parse_args(argv=None):
                    help="benchmark this checkpoint (an HF directory or a .gguf file) instead of --pairs; the pair "
                         "is called 'target'")
     p.add_argument("--draft", default=None,
-                   help="with --target: the draft checkpoint (directory or .gguf); without it only ar, hf-ar and "
-                        "ar+compile can run")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated model dtypes")
-    p.add_argument("--batch-sizes", default="1,8,16", help="comma-separated batch sizes")
+                   help="with --target: the draft checkpoint (directory or .gguf, or a feature-draft directory); "
+                        "default: the draft specdec ships for that target if there is one (SmolLM2-135M-Instruct), "
+                        "else only ar, hf-ar, hf-lookup and ar+compile can run")
+    p.add_argument("--dtypes", type=comma_list(DTYPES), default="float32,bfloat16", help="comma-separated model dtypes")
+    p.add_argument("--batch-sizes", type=comma_ints, default="1,8,16", help="comma-separated batch sizes")
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma-separated: hf-ar, hf-assisted:K (constant K assistant tokens, confidence stopping "
-                        "off), hf-assisted:default (transformers' defaults), and specdec's ar/eqspec/ragged/exspec "
+                        "off), hf-assisted:default (transformers' defaults), hf-lookup:N (prompt-lookup decoding, "
+                        "prompt_lookup_num_tokens=N: no draft model), and specdec's ar/eqspec/ragged/exspec "
                         "with ':auto' or ':K' (bare = auto), '+compile' for LLM(compile=True)")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap each prompt in the target's chat template as a user turn (a chat model's real input)")
     p.add_argument("--prompts", default=None,
                    help="prompt file (.jsonl: SpecBench 'turns' (first turn) or 'prompt'; .txt: one per line). "
                         f"Default: {os.path.relpath(DEFAULT_PROMPTS, REPO)}. Prompts are taken evenly spaced; "
@@ -191,19 +202,11 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="smoke test: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) +
                         " (explicit flags still win)")
-    given = set()
-    for a in (sys.argv[1:] if argv is None else argv):
-        if a.startswith("--"):
-            given.add(a[2:].split("=")[0].replace("-", "_"))
-    args = p.parse_args(argv)
+    args = parse_with_quick(p, QUICK, argv)
     if args.replot:
         args.out = args.out or os.path.dirname(os.path.abspath(args.replot))
         return args
     args.out = args.out or DEFAULT_OUT
-    if args.quick:
-        for key, value in QUICK.items():
-            if key not in given:
-                setattr(args, key, value)
     try:
         if args.draft and not args.target:
             raise ValueError("--draft needs --target")
@@ -212,27 +215,17 @@ def parse_args(argv=None):
                 raise ValueError(f"--target {args.target}: no such file or directory")
             if args.draft and not os.path.exists(args.draft):
                 raise ValueError(f"--draft {args.draft}: no such file or directory")
-            args.pairs = "target"
-        args.pairs = [x.strip() for x in args.pairs.split(",") if x.strip()]
+            args.pairs = ["target"]
         if "target" in args.pairs and not args.target:
             raise ValueError("--pairs target needs --target CHECKPOINT")
-        bad = [x for x in args.pairs if x not in PAIRS]
-        if bad or not args.pairs:
-            raise ValueError(f"--pairs: unknown pair(s) {bad}; choose from {', '.join(PAIRS)}")
-        args.dtypes = [x.strip() for x in args.dtypes.split(",") if x.strip()]
-        bad = [x for x in args.dtypes if x not in DTYPES]
-        if bad or not args.dtypes:
-            raise ValueError(f"--dtypes: unknown dtype(s) {bad}; choose from {', '.join(DTYPES)}")
-        if not all(b.strip().isdigit() and int(b) >= 1 for b in args.batch_sizes.split(",") if b.strip()):
-            raise ValueError(f"--batch-sizes {args.batch_sizes!r}: integers >= 1")
-        args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
         args.variants = [parse_variant(m) for m in args.methods.split(",") if m.strip()]
         if len({v.label for v in args.variants}) != len(args.variants):
             raise ValueError(f"--methods {args.methods!r}: a method is listed twice")
         if args.target and not args.draft:
-            needs = [v.label for v in args.variants if v.speculative]
-            if needs:
-                raise ValueError(f"--methods {', '.join(needs)} need a draft: give --draft, or use ar/hf-ar")
+            needs = [v.label for v in args.variants if v.speculative and v.method != "lookup"]
+            args.draft = shipped_draft_path(args.target) if needs else None
+            if needs and args.draft is None:
+                raise ValueError(f"--methods {', '.join(needs)} need a draft: give --draft, or use ar/hf-ar/hf-lookup")
         args.num_prompts = per_config(str(args.num_prompts), "--num-prompts", args.pairs, args.dtypes)
         args.max_tokens = per_config(str(args.max_tokens), "--max-tokens", args.pairs, args.dtypes)
         args.max_prompt_tokens = per_config(str(args.max_prompt_tokens), "--max-prompt-tokens", args.pairs,
@@ -243,8 +236,8 @@ def parse_args(argv=None):
             raise ValueError("--repeats and --threads must be >= 1")
     except ValueError as err:
         p.error(str(err))
-    if not args.batch_sizes or not args.variants:
-        p.error("--batch-sizes and --methods must not be empty")
+    if not args.variants:
+        p.error("--methods must not be empty")
     return args
 
 
@@ -258,14 +251,6 @@ def require_transformers():
 
 
 # ---------------------------------------------------------------------------------------------- models
-def sha256_prefix(path: str, n: int = 12) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:n]
-
-
 def pair_paths(name: str, args) -> tuple[str, str | None]:
     if name == "target":
         return args.target, args.draft
@@ -296,22 +281,22 @@ def load_pair(name: str, dtype: str, args) -> Pair:
     target_dir, draft_dir = pair_paths(name, args)
     torch_dtype = getattr(torch, dtype)
     target = load_model(target_dir, dtype=dtype, device="cpu")
-    draft = None if draft_dir is None else load_model(draft_dir, dtype=dtype, device="cpu")
+    draft = None if draft_dir is None else load_draft(draft_dir, target, dtype)
     hf_target = hf_load(target_dir, torch_dtype)
-    hf_draft = None if draft_dir is None else hf_load(draft_dir, torch_dtype)
+    # a feature draft reads our target's hidden states: transformers cannot run it (hf-assisted needs a plain draft)
+    hf_draft = None if draft_dir is None or is_feature_draft(draft_dir) else hf_load(draft_dir, torch_dtype)
     pad = hf_target.config.pad_token_id
     pad = 0 if pad is None else int(pad)
     for m in (hf_target, hf_draft):  # no EOS anywhere: nothing stops early and min_new_tokens suppresses nothing
         if m is not None:
             m.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=pad, bos_token_id=None)
-    tokenizer = (load_tokenizer(target_dir) if is_gguf(target_dir) or any(
-        os.path.exists(os.path.join(target_dir, f)) for f in ("tokenizer.model", "tokenizer.json")) else None)
+    tokenizer = checkpoint_tokenizer(target_dir)
     max_context = min(m.cfg.max_position_embeddings for m in (target, draft) if m is not None)
     info = {
         "target_dir": os.path.relpath(target_dir, REPO),
         "draft_dir": None if draft_dir is None else os.path.relpath(draft_dir, REPO),
-        "target_sha256": sha256_prefix(weights_file(target_dir)),
-        "draft_sha256": None if draft_dir is None else sha256_prefix(weights_file(draft_dir)),
+        "target_sha256": file_sha256(weights_file(target_dir)),
+        "draft_sha256": None if draft_dir is None else file_sha256(weights_file(draft_dir)),
         "target_params": sum(p.numel() for p in target.parameters()),
         "draft_params": None if draft is None else sum(p.numel() for p in draft.parameters()),
         "target_layers": target.cfg.num_layers, "draft_layers": None if draft is None else draft.cfg.num_layers,
@@ -321,6 +306,17 @@ def load_pair(name: str, dtype: str, args) -> Pair:
     }
     return Pair(name, dtype, target_dir, draft_dir, target, draft, hf_target, hf_draft, tokenizer, pad,
                 max_context, info)
+
+
+def load_draft(path: str, target, dtype: str):
+    """specdec's draft: a feature draft on `target` (models/feature_draft.py), or a checkpoint."""
+    return load_feature_draft(path, target) if is_feature_draft(path) else load_model(path, dtype=dtype, device="cpu")
+
+
+def shipped_draft_path(target_path: str) -> str | None:
+    """The draft specdec ships for the target checkpoint at `target_path` (found by its fingerprint), or None."""
+    found = shipped_draft(load_model(target_path, dtype="float32", device="cpu"))
+    return None if found is None else str(found)
 
 
 def hf_load(path: str, torch_dtype):
@@ -350,21 +346,20 @@ def build_prompts(pair: Pair, num_prompts: int, max_tokens: int, args) -> tuple[
     """Token-id prompts (the same ids for every method) and a one-line description."""
     path = args.prompts or DEFAULT_PROMPTS
     texts = evenly_spaced(read_prompts(path), num_prompts)
-    vocab = pair.target.vocab_size
-    if pair.tokenizer is not None:
-        ids, how = [pair.tokenizer.encode(t) for t in texts], "target tokenizer"
-    else:
-        ids, how = [[(b + 3) % vocab for b in t.encode("utf-8")] for t in texts], "UTF-8 bytes + 3 (no tokenizer)"
+    if args.chat:
+        if pair.tokenizer is None or pair.tokenizer.chat_template is None:
+            raise ValueError(f"--chat: the {pair.name} pair's tokenizer has no chat template")
+        texts = [pair.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    ids, how = prompt_ids(texts, pair.tokenizer, pair.target.vocab_size)
+    how += ", chat template" if args.chat else ""
     room = pair.max_context - max_tokens - AUTO_K_MAX - 2  # what auto k's verify pass may need on top
     if room < 1:
         raise ValueError(f"--max-tokens {max_tokens} leaves no room for a prompt in the {pair.name} pair's "
                          f"context of {pair.max_context}")
     limit = min(args.max_prompt_tokens[pair.name, pair.dtype], room)
     ids = [x[:limit] for x in ids]
-    lengths = sorted(len(x) for x in ids)
-    shown = os.path.relpath(path, REPO) if path.startswith(REPO) else path
-    return ids, (f"{shown}: {num_prompts} prompts ({how}), truncated to {limit} tokens; lengths "
-                 f"{lengths[0]} / {int(statistics.median(lengths))} / {lengths[-1]} (min / median / max)")
+    return ids, (f"{shown(path)}: {num_prompts} prompts ({how}), truncated to {limit} tokens; lengths "
+                 f"{lengths_text(ids)} (min / median / max)")
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -375,6 +370,7 @@ class Run:
     acceptance: float | None = None
     k_histogram: dict | None = None
     recalibrated: bool = False
+    tokens_per_step: float | None = None  # speculative: (accepted drafts + steps) / steps, per row
 
 
 class Runner:
@@ -386,9 +382,9 @@ class Runner:
         self.llm = None
         if variant.engine == "specdec":
             if variant.compile:  # its own copies: LLM(compile=True) compiles the model objects it is given
-                self.models = (load_model(pair.target_dir, dtype=pair.dtype, device="cpu"),
-                               None if pair.draft_dir is None else load_model(pair.draft_dir, dtype=pair.dtype,
-                                                                              device="cpu"))
+                target = load_model(pair.target_dir, dtype=pair.dtype, device="cpu")
+                self.models = (target, None if pair.draft_dir is None else load_draft(pair.draft_dir, target,
+                                                                                       pair.dtype))
             else:  # every eager method shares the pair's models
                 self.models = (pair.target, pair.draft)
             self.llm = self._new_llm(compile=variant.compile)
@@ -420,9 +416,7 @@ class Runner:
         v = self.variant
         if v.engine == "specdec":
             return self._specdec(prompts, batch_size, max_tokens)
-        if v.method == "ar":
-            return self._hf_generate(prompts, batch_size, max_tokens)
-        return self._hf_assisted(prompts, max_tokens)
+        return self._hf_generate(prompts, batch_size, max_tokens)
 
     def _specdec(self, prompts, batch_size, max_tokens) -> Run:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -436,7 +430,9 @@ class Runner:
         return Run(seconds, _exact_length(tokens, max_tokens, self.variant.label),
                    m.acceptance_rate if self.variant.speculative else None,
                    {int(k): n for k, n in m.k_histogram.items()} if self.variant.speculative else None,
-                   key is not None and getattr(chooser, "key", None) != key)
+                   key is not None and getattr(chooser, "key", None) != key,
+                   (m.accepted_drafts + m.row_steps) / m.row_steps if self.variant.speculative and m.row_steps
+                   else None)
 
     def _generation_config(self, max_tokens):
         from transformers import GenerationConfig
@@ -446,27 +442,22 @@ class Runner:
 
     @torch.inference_mode()
     def _hf_generate(self, prompts, batch_size, max_tokens) -> Run:
-        config = self._generation_config(max_tokens)
+        """transformers' generate on left-padded batches (hf-ar), or with the draft as its assistant model
+        (hf-assisted: batch 1, so no padding)."""
+        config, assistant = self._generation_config(max_tokens), {}
+        if self.variant.method == "lookup":
+            config.prompt_lookup_num_tokens = self.variant.k
+        if self.variant.method == "assisted":
+            self.pair.hf_draft.generation_config = assistant_config(self.variant.k, self.pair.pad_token_id)
+            assistant = {"assistant_model": self.pair.hf_draft}
         batches = [left_pad(prompts[i:i + batch_size], self.pair.pad_token_id)
                    for i in range(0, len(prompts), batch_size)]
         tokens = []
         t0 = time.perf_counter()
         for input_ids, mask in batches:
-            out = self.pair.hf_target.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+            out = self.pair.hf_target.generate(input_ids=input_ids, attention_mask=mask, generation_config=config,
+                                               **assistant)
             tokens += out[:, input_ids.shape[1]:].tolist()  # [b, N]
-        return Run(time.perf_counter() - t0, _exact_length(tokens, max_tokens, self.variant.label))
-
-    @torch.inference_mode()
-    def _hf_assisted(self, prompts, max_tokens) -> Run:
-        config = self._generation_config(max_tokens)
-        self.pair.hf_draft.generation_config = assistant_config(self.variant.k, self.pair.pad_token_id)
-        inputs = [torch.tensor([p], dtype=torch.long) for p in prompts]  # [1, L] each
-        tokens = []
-        t0 = time.perf_counter()
-        for input_ids in inputs:
-            out = self.pair.hf_target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                               generation_config=config, assistant_model=self.pair.hf_draft)
-            tokens += out[:, input_ids.shape[1]:].tolist()  # [1, N]
         return Run(time.perf_counter() - t0, _exact_length(tokens, max_tokens, self.variant.label))
 
 
@@ -572,24 +563,19 @@ def bench_pair(pair: Pair, prompts, max_tokens: int, args, progress) -> tuple[li
             "batch_sizes": [b for b in args.batch_sizes if b <= len(prompts)],
             "num_prompts": len(prompts), "reference_s": ref_s, "loadavg_before": list(load_before),
             "bandwidth_gb_per_s_before": bandwidth_before, "bandwidth_gb_per_s_after": bandwidth_after,
-            "loadavg_after": list(os.getloadavg()), "dynamo_stats": _dynamo_delta(dynamo_before, _dynamo_stats(args.variants))}
+            "loadavg_after": list(os.getloadavg()),
+            "dynamo_stats": _dynamo_stats(args.variants, dynamo_before)}
     return rows, info
 
 
-def _dynamo_stats(variants) -> dict | None:
-    """torch.compile's counters (graphs built, ...), where a variant compiles (importing dynamo costs seconds)."""
+def _dynamo_stats(variants, before: dict | None = None) -> dict | None:
+    """torch.compile's counters (graphs built, ...), where a variant compiles (importing dynamo costs seconds);
+    less `before`: this configuration's share of the process-wide counts (e.g. unique_graphs compiled here)."""
     if not any(v.compile for v in variants):
         return None
     from torch._dynamo.utils import counters
 
-    return dict(counters["stats"])
-
-
-def _dynamo_delta(before: dict | None, after: dict | None) -> dict | None:
-    """This configuration's share of dynamo's process-wide counters (e.g. unique_graphs compiled here)."""
-    if after is None:
-        return None
-    return {k: v - (before or {}).get(k, 0) for k, v in after.items()}
+    return {k: v - (before or {}).get(k, 0) for k, v in counters["stats"].items()}
 
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -624,38 +610,37 @@ def summarise(pair: Pair, B: int, active, runs, warmup, reference, total_tokens:
             mid = sorted(rs, key=lambda r: r.seconds)[len(rs) // 2]
             hist = mid.k_histogram or {}
             steps = sum(hist.values())
-            row.update(acceptance_rate=mid.acceptance, k_histogram={str(k): n for k, n in sorted(hist.items())},
+            row.update(acceptance_rate=mid.acceptance, tokens_per_step=mid.tokens_per_step,
+                       k_histogram={str(k): n for k, n in sorted(hist.items())},
                        mean_k=sum(k * n for k, n in hist.items()) / steps if steps else None)
         rows.append(row)
     return rows
 
 
 def k_cell(row) -> str:
+    if row["engine"] == "hf" and row["base_method"] == "lookup":
+        return f"prompt lookup {row['k']}"
     if row["engine"] == "hf" and row["base_method"] != "ar":
         return "transformers default" if row["k"] == "default" else f"{row['k']} constant"
     return k_text(row["k"], row.get("k_histogram"))
 
 
 def table(rows) -> str:
-    head = ("| B | method | k | tokens/s median (min–max) | × hf-ar@B median (min–max) | exact vs HF@1 | "
-            "prefix vs HF@1 | acceptance | warm-up s | weights GB/s (of bandwidth) |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        name = r["method"] if r["engine"] == "specdec" else f"*{r['method']}*"
-        acc = r.get("acceptance_rate")
-        recal = f" ({r['recalibrated_runs']} recalibrated)" if r["recalibrated_runs"] else ""
-        lines.append(
-            f"| {r['batch_size']} | {name} | {k_cell(r)} | {fmt_spread(r['tokens_per_s'])} | "
-            f"{fmt_spread(r['speedup_vs_hf_ar'], '{:.2f}')} | {r['exact_match_vs_hf_b1']:.0%}"
-            f"{'' if r['same_tokens_every_repeat'] else ' (varies)'} | {r['prefix_match_vs_hf_b1']:.0%} | "
-            f"{'–' if acc is None else f'{acc:.0%}'} | {r['warmup_s']:.1f}{recal} | {roofline_text(r)} |")
-    return "\n".join(lines)
+    def cells(r):
+        acc, recal = r.get("acceptance_rate"), r["recalibrated_runs"]
+        return [r["batch_size"], r["method"] if r["engine"] == "specdec" else f"*{r['method']}*", k_cell(r),
+                fmt_spread(r["tokens_per_s"]), fmt_spread(r["speedup_vs_hf_ar"], "{:.2f}"),
+                f"{r['exact_match_vs_hf_b1']:.0%}" + ("" if r["same_tokens_every_repeat"] else " (varies)"),
+                f"{r['prefix_match_vs_hf_b1']:.0%}",
+                "–" if acc is None else f"{acc:.0%}" + (f" ({r['tokens_per_step']:.2f}/step)"
+                                                       if r.get("tokens_per_step") else ""),
+                f"{r['warmup_s']:.1f}" + (f" ({recal} recalibrated)" if recal else ""),
+                "–" if r.get("weight_gb_per_s") is None else
+                f"{r['weight_gb_per_s']:.1f} ({r['bandwidth_fraction']:.0%})"]
 
-
-def roofline_text(row) -> str:
-    if row.get("weight_gb_per_s") is None:
-        return "–"
-    return f"{row['weight_gb_per_s']:.1f} ({row['bandwidth_fraction']:.0%})"
+    return md_table(["B", "method", "k", "tokens/s median (min–max)", "× hf-ar@B median (min–max)",
+                     "exact vs HF@1", "prefix vs HF@1", "acceptance", "warm-up s", "weights GB/s (of bandwidth)"],
+                    map(cells, rows))
 
 
 def headline(rows) -> list[str]:
@@ -736,11 +721,7 @@ def plot(rows, meta, out_dir) -> list[str]:
                 ax.tick_params(axis="x", labelsize=7)
                 ax.grid(alpha=0.3, axis="x")
         fig.suptitle(f"{pair} pair: specdec (blue; compiled red) vs transformers (grey; dashed: hf-ar)", fontsize=10)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"peers-{pair}.png")
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, os.path.join(out_dir, f"peers-{pair}.png")))
     return paths
 
 
@@ -756,8 +737,7 @@ def write_report(rows, meta, args) -> str:
 
 
 def replot(args) -> None:
-    with open(args.replot) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = read_jsonl(args.replot)
     meta = next(r for r in records if r.get("type") == "meta")
     os.makedirs(args.out, exist_ok=True)
     print(write_report([r for r in records if r.get("type") == "row"], meta, args))
@@ -806,10 +786,7 @@ def main(argv=None):
             del pair
     meta["loadavg_end"] = list(os.getloadavg())
     meta["total_time_s"] = time.perf_counter() - t_start
-    with open(os.path.join(args.out, "peers.jsonl"), "w") as f:
-        f.write(json.dumps(meta) + "\n")
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    write_jsonl(os.path.join(args.out, "peers.jsonl"), [meta] + rows)
     print(write_report(rows, meta, args))
     progress(f"wrote peers.jsonl, peers.md{'' if args.no_plots else ' and PNGs'} to {args.out} in "
              f"{meta['total_time_s']:.0f}s")

@@ -27,7 +27,7 @@ import time
 import torch
 
 import specdec.sampling as sampling
-from bench.common import HelpFormatter, command_line, fmt_spread, interleave, machine_line
+from bench.common import HelpFormatter, command_line, fmt_spread, interleave, machine_line, md_table
 from specdec import LLM, SamplingParams
 from specdec.flags import k_value
 from specdec.prompts import DEFAULT_DRAFT, DEFAULT_PROMPTS, DEFAULT_TARGET, read_prompts
@@ -109,11 +109,8 @@ def main(argv=None) -> None:
                              fmt_spread(ratio["cpu_speed"], "{:.3f}") if name == "coupled" else "1"))
     print(f"```\n{command_line('bench.samplers', argv)}\n```\n")
     print(f"{machine}\n")
-    print("| temperature | k | sampler | acceptance | tokens/step | mean k | tokens/s (wall) | vs rejection "
-          "| tokens per CPU-s | vs rejection |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for row in rows:
-        print("| " + " | ".join(str(x) for x in row) + " |")
+    print(md_table(["temperature", "k", "sampler", "acceptance", "tokens/step", "mean k", "tokens/s (wall)",
+                    "vs rejection", "tokens per CPU-s", "vs rejection"], rows, right={0, 3, 4, 5, 6, 7, 8, 9}))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from bench.common import REPO, HelpFormatter, command_line, git_revision
+from bench.common import REPO, HelpFormatter, command_line, git_revision, read_jsonl, rss_mib, write_jsonl
 
 
 def free_port() -> int:
@@ -276,9 +276,7 @@ def load_main(args) -> None:
             stop(proc)
         shutil.rmtree(tmp, ignore_errors=True)
     meta["loadavg_after"] = list(os.getloadavg())
-    with open(os.path.join(args.out, "serve.jsonl"), "w") as f:
-        for line in [meta, *rows]:
-            f.write(json.dumps(line) + "\n")
+    write_jsonl(os.path.join(args.out, "serve.jsonl"), [meta, *rows])
     table = report(meta, rows, servers, rates)
     with open(os.path.join(args.out, "serve.md"), "w") as f:
         f.write(table)
@@ -291,8 +289,7 @@ def report_main(args) -> None:
     """The table and plot of the runs in args.from_jsonl together."""
     metas, rows = [], []
     for path in args.from_jsonl:
-        with open(path) as f:
-            lines = [json.loads(line) for line in f if line.strip()]
+        lines = read_jsonl(path)
         metas += [x for x in lines if x["type"] == "meta"]
         rows += [x for x in lines if x["type"] == "run"]
     servers = [s for s in SERVERS if any(r["server"] == s for r in rows)]
@@ -381,14 +378,6 @@ def plot(rows: list[dict], servers: list[str], rates: list[float], path: str) ->
 
 
 # ------------------------------------------------------------------------------------------------ soak
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 async def soak_requests(base: str, n: int, concurrency: int, every: int, max_tokens: int, pid: int) -> dict:

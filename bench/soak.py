@@ -25,14 +25,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import REPO, command_line, machine_line
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+from bench.common import REPO, command_line, machine_line, md_table, rss_mib
 
 
 def soak(method: str, n: int, every: int, max_tokens: int, max_prompt: int, batch_size: int, k: int,
@@ -97,7 +90,8 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     results = []
     for method in args.methods.split(","):
-        cmd = [sys.executable, "-m", "bench.soak", "--one", method, "--requests", str(args.requests), "--every", str(args.every),
+        cmd = [sys.executable, "-m", "bench.soak", "--one", method, "--requests", str(args.requests),
+               "--every", str(args.every),
                "--max-tokens", str(args.max_tokens), "--max-prompt", str(args.max_prompt),
                "--batch-size", str(args.batch_size), "-k", str(args.k), "--rounds", str(args.rounds)]
         started = time.perf_counter()
@@ -108,11 +102,9 @@ def main() -> None:
         tps = [s["tokens_per_s"] for s in r["slices"]]
         print(f"\n{method}: {args.rounds} x {r['requests']} requests in {r['wall_s']} s (load average at the end "
               f"{r['load_avg']})")
-        print("| requests finished | RSS MiB | tokens/s in the slice |")
-        print("|---|---|---|")
-        print(f"| 0 (after warm-up) | {r['rss_start_mib']} | - |")
-        for s in r["slices"]:
-            print(f"| {s['finished']} | {s['rss_mib']} | {s['tokens_per_s']} |")
+        print(md_table(["requests finished", "RSS MiB", "tokens/s in the slice"],
+                       [["0 (after warm-up)", r["rss_start_mib"], "-"]] +
+                       [[s["finished"], s["rss_mib"], s["tokens_per_s"]] for s in r["slices"]]))
         per_round = len(r["slices"]) // args.rounds
         ends = [r["slices"][(i + 1) * per_round - 1]["rss_mib"] for i in range(args.rounds)]
         trend = statistics.median(tps[-per_round:]) / statistics.median(tps[:per_round])

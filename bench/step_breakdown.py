@@ -36,7 +36,8 @@ VERSIONS = ("before", "after", "compiled")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--pairs", default="default,synthetic", help="comma-separated: default (the embedded pair), "
                    "synthetic (bench/pairs.py, built once into bench/results/pair)")
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
@@ -102,7 +103,8 @@ def run_cells(spec: dict) -> list[dict]:
     cells = [(m, B) for B in spec["batch_sizes"] for m in spec["methods"]]
     llms = {cell: make(*cell) for cell in cells}
     for (method, B), llm in llms.items():  # warm-up: allocations, compilation
-        llm.generate(prompt_token_ids=prompts[: max(2, B)], sampling_params=SamplingParams(max_tokens=8, ignore_eos=True))
+        llm.generate(prompt_token_ids=prompts[: max(2, B)],
+                     sampling_params=SamplingParams(max_tokens=8, ignore_eos=True))
     rows = []
     for (method, B), llm in llms.items():
         spent["forward"] = 0.0
@@ -127,7 +129,8 @@ def export_revision(rev: str) -> str:
 
 
 def run_subprocess(spec: dict, code_root: str) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=code_root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS=str(spec["threads"]))
+    env = dict(os.environ, PYTHONPATH=code_root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS=str(spec["threads"]))
     script = os.path.abspath(__file__)
     result = subprocess.run([sys.executable, script, "--cell", json.dumps(spec)], env=env, capture_output=True,
                             text=True, cwd=code_root)
@@ -137,36 +140,33 @@ def run_subprocess(spec: dict, code_root: str) -> list[dict]:
 
 
 def summarise(records: list[dict]) -> list[dict]:
+    from bench.common import spread
+
     groups: dict = {}
     for r in records:
         groups.setdefault((r["pair"], r["batch_size"], r["method"], r["version"]), []).append(r)
     rows = []
     for (pair, B, method, version), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2],
                                                                                  VERSIONS.index(kv[0][3]))):
-        tps = [r["tokens_per_s"] for r in rs]
         rows.append({"pair": pair, "batch_size": B, "method": method, "version": version,
-                     "tokens_per_s": statistics.median(tps), "min": min(tps), "max": max(tps),
+                     "tokens_per_s": spread([r["tokens_per_s"] for r in rs]),
                      "non_forward_share": statistics.median(r["non_forward_share"] for r in rs),
                      "steps": rs[0]["steps"], "runs": len(rs)})
     by = {(r["pair"], r["batch_size"], r["method"], r["version"]): r for r in rows}
     for r in rows:
         base = by.get((r["pair"], r["batch_size"], r["method"], "before"))
-        r["vs_before"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+        r["vs_before"] = r["tokens_per_s"]["median"] / base["tokens_per_s"]["median"] if base else None
     return rows
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    from bench.common import fmt_spread
+    from bench.common import fmt_spread, md_table
 
-    lines = [f"command: `{meta['command']}`  ", f"{meta['machine']}  ", "",
-             "| pair | B | method | code | tokens/s (median, min-max) | × before | non-forward share |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        vs = f"{r['vs_before']:.2f}" if r["vs_before"] else "–"
-        tps = {"median": r["tokens_per_s"], "min": r["min"], "max": r["max"]}
-        lines.append(f"| {r['pair']} | {r['batch_size']} | {r['method']} | {r['version']} | {fmt_spread(tps)} | {vs} | "
-                     f"{r['non_forward_share']:.1%} |")
-    return "\n".join(lines)
+    table = md_table(["pair", "B", "method", "code", "tokens/s (median, min-max)", "× before", "non-forward share"],
+                     ([r["pair"], r["batch_size"], r["method"], r["version"], fmt_spread(r["tokens_per_s"]),
+                       f"{r['vs_before']:.2f}" if r["vs_before"] else "–", f"{r['non_forward_share']:.1%}"]
+                      for r in rows))
+    return f"command: `{meta['command']}`  \n{meta['machine']}  \n\n{table}"
 
 
 def main(argv=None) -> int:
@@ -174,7 +174,8 @@ def main(argv=None) -> int:
     if args.cell:
         print(json.dumps(run_cells(json.loads(args.cell))))
         return 0
-    from bench.common import command_line, machine_line, pair_dirs  # not in --cell: its `bench` may be another version
+    # not in --cell: its `bench` may be another version
+    from bench.common import command_line, machine_line, pair_dirs, write_jsonl
 
     versions = [v.strip() for v in args.versions.split(",") if v.strip()]
     roots = {"after": REPO, "compiled": REPO}
@@ -206,10 +207,9 @@ def main(argv=None) -> int:
         r.pop("token_ids", None)
     rows = summarise(records)
     meta = {"command": command_line("bench.step_breakdown", argv),
-            "machine": f"{started}; {args.threads} thread(s) per run, {args.dtype}, k = {args.k}, {args.max_tokens} tokens"}
-    with open(os.path.join(args.out, "step_breakdown.jsonl"), "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
+            "machine": f"{started}; {args.threads} thread(s) per run, {args.dtype}, k = {args.k}, "
+                       f"{args.max_tokens} tokens"}
+    write_jsonl(os.path.join(args.out, "step_breakdown.jsonl"), records)
     table = markdown(rows, meta)
     with open(os.path.join(args.out, "step_breakdown.md"), "w") as f:
         f.write(table + "\n")

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import os
 import statistics
@@ -45,18 +44,19 @@ import traceback
 
 import torch
 
-from bench.common import REPO, HelpFormatter, command_line, evenly_spaced, k_text, machine, pair_dirs, random_prompts
+from bench.common import (REPO, HelpFormatter, checkpoint_tokenizer, comma_ints, command_line, evenly_spaced, k_text,
+                          lengths_text, machine, md_table, pair_dirs, parse_with_quick, prompt_ids, random_prompts,
+                          read_jsonl, save_figure, shown, write_jsonl)
 from bench.pairs import DEFAULT_PAIR_DIR, cost_ratio, pair_description
 from specdec import LLM, SamplingParams
 from specdec.flags import k_value
-from specdec.models import load_tokenizer
 from specdec.prompts import read_prompts
 
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "throughput")
 BUILTIN_TEXT_PROMPTS = os.path.join(REPO, "specdec", "assets", "prompts.txt")
 DEFAULT_METHODS = "ar,eqspec,ragged,exspec"
 DEFAULT_BATCH_SIZES = "1,2,4,8,16"
-QUICK = dict(batch_sizes="1,4", num_prompts=4, max_tokens=32)
+QUICK = dict(pair="tiny", batch_sizes="1,4", num_prompts=4, max_tokens=32)
 COLORS = {"ar": "C0", "eqspec": "C1", "ragged": "C2", "exspec": "C3"}  # one colour per method in every plot
 
 
@@ -81,10 +81,10 @@ def parse_args(argv=None):
     g.add_argument("--target", default=None,
                    help="target checkpoint directory (HF format). Default: the synthetic pair (see --pair)")
     g.add_argument("--draft", default=None, help="draft checkpoint directory (required with --target)")
-    g.add_argument("--pair", choices=("synthetic", "tiny"), default=None,
+    g.add_argument("--pair", choices=("synthetic", "tiny"), default="synthetic",
                    help="which built-in pair to use without --target/--draft: 'synthetic' (~113M-param "
                         "16-layer damped random Llama + its own first layer as draft, bench/pairs.py) or "
-                        "'tiny' (same recipe, toy size, for smoke tests). Default: synthetic, tiny with --quick")
+                        "'tiny' (same recipe, toy size, for smoke tests; the default with --quick)")
     g.add_argument("--pair-dir", default=None,
                    help="cache folder of the built-in pair (built once, reused while its recipe matches). "
                         f"Default: {os.path.relpath(DEFAULT_PAIR_DIR, REPO)} (suffix -tiny for the tiny pair)")
@@ -101,10 +101,8 @@ def parse_args(argv=None):
                         "'auto'), e.g. 'ar,ragged:auto,ragged:1,ragged:3,ragged:5'; without ':K' the method "
                         "uses -k. 'ar' is the baseline and always runs first at each batch size when listed. A "
                         "method that raises NotImplementedError is skipped with a note")
-    g.add_argument("--batch-sizes", default=None,
-                   help=f"comma-separated batch sizes (default {DEFAULT_BATCH_SIZES}; {QUICK['batch_sizes']} "
-                        f"with --quick)")
-    g.add_argument("--with-32", action="store_true", help="also run batch size 32 (needs >= 32 prompts to fill it)")
+    g.add_argument("--batch-sizes", type=comma_ints, default=DEFAULT_BATCH_SIZES,
+                   help=f"comma-separated batch sizes ({QUICK['batch_sizes']} with --quick)")
     g.add_argument("-k", "--num-speculative-tokens", type=k_value, default="auto",
                    help="draft tokens per step: an integer, or 'auto' (chosen every step by the cost model)")
     g.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
@@ -112,16 +110,14 @@ def parse_args(argv=None):
     g.add_argument("--compile", action="store_true",
                    help="LLM(compile=True): torch.compile the forwards (CUDA graphs on a GPU); the warm-up "
                         "generation pays the compilation, outside the timed region")
-    g.add_argument("--max-tokens", type=int, default=None,
-                   help="new tokens per request (default 128; 32 with --quick)")
+    g.add_argument("--max-tokens", type=int, default=128,
+                   help=f"new tokens per request ({QUICK['max_tokens']} with --quick)")
     g.add_argument("--window-size", type=int, default=48,
                    help="EXSPEC pool size (raised to the batch size where smaller)")
     g.add_argument("--repeats", type=int, default=1,
                    help="run the whole sweep this many times (interleaved); each cell reports the run with the "
                         "median tokens/s (the upper median for an even count: the faster of 2), all runs' "
                         "tokens/s are kept in the JSONL")
-    g.add_argument("--no-warmup", action="store_true",
-                   help="skip the short untimed warm-up generation of each method before the sweep")
 
     g = p.add_argument_group("prompts")
     g.add_argument("--prompts", default=None,
@@ -132,8 +128,8 @@ def parse_args(argv=None):
                         "it has none. Default: built-in prompts (random ids of lengths 8-64 for a pair without "
                         "tokenizer, specdec/assets/prompts.txt otherwise)")
     g.add_argument("--num-prompts", type=int, default=None,
-                   help="requests per (method, batch size) run (default: the largest batch size, i.e. 16 or 32; "
-                        "4 with --quick)")
+                   help=f"requests per (method, batch size) run (default: the largest batch size; "
+                        f"{QUICK['num_prompts']} with --quick)")
     g.add_argument("--equal-length", action="store_true",
                    help="give every prompt the same token length (--prompt-len): longer ones truncated, shorter "
                         "ones padded by repeating their own tokens. Default: random (natural) lengths")
@@ -146,7 +142,7 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=0, help="seed of the built-in random prompts")
 
     g = p.add_argument_group("output")
-    g.add_argument("--out", default=DEFAULT_OUT, help="output folder")
+    g.add_argument("--out", default=None, help=f"output folder (default: {shown(DEFAULT_OUT)})")
     g.add_argument("--cost-repeats", type=int, default=20,
                    help="forwards timed per model for the target/draft cost ratio")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -159,19 +155,10 @@ def parse_args(argv=None):
                    help=f"tiny smoke run (CI / GPU script): tiny pair unless --target/--pair given, batch sizes "
                         f"{QUICK['batch_sizes']}, {QUICK['num_prompts']} prompts, {QUICK['max_tokens']} tokens "
                         f"(explicit flags still win)")
-    args = p.parse_args(argv)
-    args.out_given = any(a == "--out" or a.startswith("--out=") for a in (sys.argv[1:] if argv is None else argv))
-
+    args = parse_with_quick(p, QUICK, argv)
+    args.out_given, args.out = args.out is not None, args.out or DEFAULT_OUT
     if (args.target is None) != (args.draft is None):
         p.error("--target and --draft go together")
-    if args.batch_sizes is None:
-        args.batch_sizes = QUICK["batch_sizes"] if args.quick else DEFAULT_BATCH_SIZES
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
-    if args.with_32 and 32 not in args.batch_sizes:
-        args.batch_sizes.append(32)
-    args.batch_sizes = sorted(set(args.batch_sizes))
-    if not args.batch_sizes or min(args.batch_sizes) < 1:
-        p.error("--batch-sizes must be positive integers")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     from specdec import METHODS
 
@@ -181,17 +168,14 @@ def parse_args(argv=None):
         if method not in METHODS:
             p.error(f"unknown method {method!r} in --methods; choose from {list(METHODS)}")
         try:
-            args.variants[label] = (method, None if method == "ar" else (k_value(k) if k else args.num_speculative_tokens))
+            k = None if method == "ar" else (k_value(k) if k else args.num_speculative_tokens)
+            args.variants[label] = (method, k)
         except argparse.ArgumentTypeError as err:
             p.error(f"--methods {label}: k {err}")
     if "ar" in args.methods:  # the baseline first, so every later method compares against it
         args.methods = ["ar"] + [m for m in args.methods if m != "ar"]
-    if args.max_tokens is None:
-        args.max_tokens = QUICK["max_tokens"] if args.quick else 128
     if args.num_prompts is None:
-        args.num_prompts = QUICK["num_prompts"] if args.quick else max(args.batch_sizes)
-    if args.pair is None:
-        args.pair = "tiny" if args.quick else "synthetic"
+        args.num_prompts = max(args.batch_sizes)
     if args.pair_dir is None:
         args.pair_dir = DEFAULT_PAIR_DIR + ("-tiny" if args.pair == "tiny" else "")
     if args.repeats < 1 or args.num_prompts < 1 or args.max_tokens < 1:
@@ -210,21 +194,14 @@ def build_prompts(args, tokenizer, vocab_size: int) -> tuple[list[list[int]], st
         source = f"built-in: {args.num_prompts} random-id prompts, lengths {args.min_prompt_len}-{args.max_prompt_len}"
     else:
         path = args.prompts or BUILTIN_TEXT_PROMPTS
-        texts = evenly_spaced(read_prompts(path), args.num_prompts)
-        if tokenizer is not None:
-            ids = [tokenizer.encode(t) for t in texts]
-            how = "target tokenizer"
-        else:
-            ids = [[(b + 3) % vocab_size for b in t.encode("utf-8")] for t in texts]
-            how = "UTF-8 bytes (no tokenizer)"
+        ids, how = prompt_ids(evenly_spaced(read_prompts(path), args.num_prompts), tokenizer, vocab_size)
         ids = [x[: args.max_prompt_tokens] for x in ids]
-        source = f"{os.path.relpath(path, REPO) if path.startswith(REPO) else path}: {args.num_prompts} prompts, {how}"
+        source = f"{shown(path)}: {args.num_prompts} prompts, {how}"
     if args.equal_length:
         L = args.prompt_len or int(statistics.median(len(x) for x in ids))
         ids = [(x * (L // len(x) + 1))[:L] for x in ids]
         source += f"; equal length {L} (truncated / padded by repetition)"
-    lengths = [len(x) for x in ids]
-    source += f"; token lengths min {min(lengths)} / median {int(statistics.median(lengths))} / max {max(lengths)}"
+    source += f"; token lengths {lengths_text(ids)} (min / median / max)"
     return ids, source
 
 
@@ -276,10 +253,7 @@ def load_pair(args):
     # one path-based LLM validates the pair (shared vocabulary/tokenizer); every run reuses its model objects
     probe = LLM(target=args.target, draft=args.draft, method="eqspec", num_speculative_tokens=1, batch_size=1,
                 dtype=args.dtype, device=args.device)
-    tokenizer = probe.tokenizer
-    if tokenizer is None and any(os.path.exists(os.path.join(args.target, f))
-                                 for f in ("tokenizer.model", "tokenizer.json")):
-        tokenizer = load_tokenizer(args.target)
+    tokenizer = probe.tokenizer or checkpoint_tokenizer(args.target)
     return {"target": probe.target, "draft": probe.draft, "tokenizer": tokenizer, "vocab_size": probe.vocab_size}
 
 
@@ -350,22 +324,20 @@ def fmt(x, spec="{:.2f}", none="–"):
 
 
 def markdown_table(rows, spec_methods=("eqspec", "ragged", "exspec")) -> str:
-    head = ("| method | B | k | tokens/s | × AR@1 | × AR@B | acceptance | tokens/step | realign share | grouping | "
-            "latency p50 / p95 / p99 (s) | equiv. vs AR@B |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
+    def cells(r):
         if r["status"] != "ok":
-            lines.append(f"| {r['method']} | {r['batch_size']} | {r['status']} |" + " |" * 9)
-            continue
-        spec = r.get("base_method", r["method"]) in spec_methods
-        lat = r["latency_s"]
-        lines.append(
-            f"| {r['method']} | {r['batch_size']} | {k_text(r.get('k'), r.get('k_histogram'))} | {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar_b1'])} | "
-            f"{fmt(r['speedup_vs_ar_same_b'])} | {fmt(r['acceptance_rate'], '{:.1%}') if spec else '–'} | "
-            f"{r['mean_tokens_per_step']:.2f} | {fmt(r['realign_share'], '{:.1%}') if spec else '–'} | "
-            f"{fmt(r['grouping_rate'], '{:.1%}') if r.get('base_method', r['method']) == 'exspec' else '–'} | "
-            f"{lat['p50']:.1f} / {lat['p95']:.1f} / {lat['p99']:.1f} | {fmt(r['equivalence_vs_ar'], '{:.0%}')} |")
-    return "\n".join(lines)
+            return [r["method"], r["batch_size"], r["status"]] + [""] * 9
+        base, lat = r.get("base_method", r["method"]), r["latency_s"]
+        spec = base in spec_methods
+        return [r["method"], r["batch_size"], k_text(r.get("k"), r.get("k_histogram")), f"{r['tokens_per_s']:.1f}",
+                fmt(r["speedup_vs_ar_b1"]), fmt(r["speedup_vs_ar_same_b"]),
+                fmt(r["acceptance_rate"], "{:.1%}") if spec else "–", f"{r['mean_tokens_per_step']:.2f}",
+                fmt(r["realign_share"], "{:.1%}") if spec else "–",
+                fmt(r["grouping_rate"], "{:.1%}") if base == "exspec" else "–",
+                f"{lat['p50']:.1f} / {lat['p95']:.1f} / {lat['p99']:.1f}", fmt(r["equivalence_vs_ar"], "{:.0%}")]
+
+    return md_table(["method", "B", "k", "tokens/s", "× AR@1", "× AR@B", "acceptance", "tokens/step", "realign share",
+                     "grouping", "latency p50 / p95 / p99 (s)", "equiv. vs AR@B"], map(cells, rows))
 
 
 def plot(rows, args, tag: str) -> list[str]:
@@ -393,11 +365,7 @@ def plot(rows, args, tag: str) -> list[str]:
         ax.legend()
     fig.suptitle(f"throughput ({tag}-length prompts, k={args.num_speculative_tokens}, {args.max_tokens} tokens, "
                  f"{args.dtype}, {args.device})", fontsize=10)
-    fig.tight_layout()
-    path = os.path.join(args.out, f"throughput-{tag}.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(save_figure(fig, os.path.join(args.out, f"throughput-{tag}.png")))
 
     spec = [m for m in methods if m != "ar"]
     if spec:
@@ -415,11 +383,7 @@ def plot(rows, args, tag: str) -> list[str]:
         ax.set_title(f"realign share ({tag}-length prompts)", fontsize=10)
         ax.grid(alpha=0.3, axis="y")
         ax.legend()
-        fig.tight_layout()
-        path = os.path.join(args.out, f"realign-{tag}.png")
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, os.path.join(args.out, f"realign-{tag}.png")))
     return paths
 
 
@@ -433,9 +397,7 @@ CSV_FIELDS = ["method", "batch_size", "status", "tokens_per_s", "speedup_vs_ar_b
 def write_outputs(rows, meta, args, tag):
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, f"throughput-{tag}")
-    with open(base + ".jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps({**r, "meta": meta}) + "\n")
+    write_jsonl(base + ".jsonl", ({**r, "meta": meta} for r in rows))
     with open(base + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
@@ -486,8 +448,7 @@ def replot(args) -> None:
     paths = args.replot.split(",")
     records, commands = [], []
     for path in paths:
-        with open(path) as f:
-            run = [json.loads(line) for line in f if line.strip()]
+        run = read_jsonl(path)
         records += run
         commands.append(run[0]["meta"]["command"])
     meta = records[0]["meta"]
@@ -523,14 +484,14 @@ def main(argv=None):
           f"({cost_before['target_forward_s'] * 1e3:.1f} ms vs {cost_before['draft_forward_s'] * 1e3:.1f} ms)",
           file=sys.stderr, flush=True)
 
-    if not args.no_warmup:  # untimed: first-call allocations, lazy imports, kernel selection
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        warm_sizes = (1, 2) if args.compile else (2,)  # compiled: batch 1 has its own graphs (specialised)
-        for method, B in ((m, b) for m in args.methods for b in warm_sizes):
-            try:
-                make_llm(models, method, B, args).generate(prompt_token_ids=prompts[:2], sampling_params=params)
-            except Exception:  # reported by the sweep itself
-                pass
+    # untimed warm-up of every method: first-call allocations, lazy imports, kernel selection
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    warm_sizes = (1, 2) if args.compile else (2,)  # compiled: batch 1 has its own graphs (specialised)
+    for method, B in ((m, b) for m in args.methods for b in warm_sizes):
+        try:
+            make_llm(models, method, B, args).generate(prompt_token_ids=prompts[:2], sampling_params=params)
+        except Exception:  # reported by the sweep itself
+            pass
 
     runs = sweep(models, prompts, args)
     cost_after = cost_ratio(models["target"], models["draft"], repeats=args.cost_repeats)

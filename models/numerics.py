@@ -39,6 +39,11 @@ PACKED_LINEAR_LIMIT_BYTES = 1 << 30
 # input shape: unbounded row counts (every prefill width) grew a long-lived engine's RSS by ~150 MiB over
 # 1,000 requests; with the bound the shapes, and so the cache, stay few
 PACKED_MAX_ROWS = 64
+# and within the bound, row counts above PACKED_EXACT_ROWS are padded up to a multiple of PACKED_ROW_STEP
+# (zero rows, dropped after): 21 shapes per weight in all, so the primitive cache fills in the first few
+# requests (or at once with `warm_packed`) and a long-lived engine's memory stays flat
+PACKED_EXACT_ROWS = 16
+PACKED_ROW_STEP = 8
 SILU_INVARIANT_DTYPES = (torch.bfloat16,)  # torch's CPU F.silu gives the same bits for every element position
 
 
@@ -87,10 +92,35 @@ def linear(layer: nn.Linear, x, invariant: bool, backend: str | None = None, pac
         rows = x.numel() // x.shape[-1]
         weight = packed_weight(layer) if 2 <= rows <= PACKED_MAX_ROWS else None  # 1 row: MKL's GEMV is faster
         if weight is not None:
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]).contiguous(), weight, layer.bias,
-                                                     "none", [], "")  # [M, N]
-            return out.view(*x.shape[:-1], out.shape[-1])
+            x2 = x.reshape(rows, x.shape[-1])  # [M, K]
+            padded = packed_rows(rows)
+            if padded != rows:
+                x2 = F.pad(x2, (0, 0, 0, padded - rows))  # [M', K]: zero rows up to the bucket
+            out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), weight, layer.bias, "none", [], "")  # [M', N]
+            return out[:rows].view(*x.shape[:-1], out.shape[-1])
     return layer(x)
+
+
+def packed_rows(rows: int) -> int:
+    """The row count the packed path runs `rows` (2..PACKED_MAX_ROWS) token rows as (see PACKED_ROW_STEP)."""
+    return rows if rows <= PACKED_EXACT_ROWS else -(-rows // PACKED_ROW_STEP) * PACKED_ROW_STEP
+
+
+def warm_packed(model) -> int:
+    """Run every packed linear layer of `model` once at every row count the packed path uses, so that oneDNN's
+    primitives exist before a long-lived engine serves (its memory then stays flat); returns the calls made.
+    A no-op (0) for models without packed weights."""
+    if not getattr(model, "packed_linear", False):
+        return 0
+    calls = 0
+    buckets = sorted({packed_rows(m) for m in range(2, PACKED_MAX_ROWS + 1)})
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
+                for rows in buckets:
+                    linear(module, module.weight.new_zeros(rows, module.in_features), False, packed=True)
+                    calls += 1
+    return calls
 
 
 def packing_pays(model, limit_bytes: int = PACKED_LINEAR_LIMIT_BYTES) -> bool:

@@ -281,15 +281,22 @@ class Transformer(nn.Module):
                                 self.dtype, self.device, layout)
 
     @torch.no_grad()
-    def forward(self, input_ids, cache: KVCache, num_new=None, logits: str = "all"):
+    def forward(self, input_ids, cache: KVCache, num_new=None, logits: str = "all", features=None,
+                hidden: str | None = None):
         """input_ids [B, T] -> logits [B, T, V] ("all") or [B, 1, V] ("last": each row's last real token).
 
         `num_new`: real tokens per row, a host list (default T for every row); the rest is padding, on the
         left in the left-padded layout and on the right in the ragged one. Writes K/V and advances the
         cache. Reads nothing back from the device: the cache's host mirror sizes the step.
+        `hidden` "all" / "last" returns (logits, hidden): the last layer's output before the final norm
+        ([B, T, E] at every fed position, or [B, 1, E] where the "last" logits are; what a feature draft
+        reads, docs/api.md). `features` [B, T, E]: the input of a feature draft (models/feature_draft.py); a
+        plain transformer takes none.
         """
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
+        if hidden not in (None, "all", "last"):
+            raise ValueError(f"hidden must be None, 'all' or 'last', got {hidden!r}")
         B, T = input_ids.shape
         compiled = self.compiled_forward is not None and num_new is None  # steps; prefills (varied shapes) run eager
         compiled = compiled and not self.batch_invariant
@@ -298,25 +305,40 @@ class Transformer(nn.Module):
         if logits == "last" and not cache.left_padded and any(n != T for n in plan.host_num_new):
             last_index = plan.num_new - 1
         if compiled:  # one graph for every step: scatter writes, all T logits, inductor's own kernels
-            for t, dims in ((input_ids, (0, 1)), (cache.k, (1, 3)), (cache.v, (1, 3)), (plan.positions, (0, 1)),
-                            (plan.columns, (0, 1)), (plan.mask, (0, 1, 2))):
+            marks = [(input_ids, (0, 1)), (cache.k, (1, 3)), (cache.v, (1, 3)), (plan.positions, (0, 1)),
+                     (plan.columns, (0, 1)), (plan.mask, (0, 1, 2))]
+            if features is not None:
+                marks.append((features, (0, 1)))
+            for t, dims in marks:
                 for dim in dims:  # rows, new tokens and cache capacity vary: one graph for all of them
                     torch._dynamo.maybe_mark_dynamic(t, dim)
             out = self.compiled_forward(input_ids, cache.k, cache.v, plan.positions, plan.columns, plan.mask, None,
-                                        None, False, "torch")
-            out = out[:, -1:] if logits == "last" else out
+                                        None, False, "torch", features, hidden)
+            if logits == "last":  # every row's last token is token T - 1 here (num_new is None)
+                out = (out[0][:, -1:], out[1][:, -1:] if hidden == "last" else out[1]) if hidden else out[:, -1:]
         else:
             out = self.forward_tensors(input_ids, cache.k, cache.v, plan.positions, plan.columns, plan.mask, last_index,
-                                       plan.first_column, logits == "last", cache.backend)
+                                       plan.first_column, logits == "last", cache.backend, features, hidden)
         cache.advance(plan)
         return out
 
+    def embed(self, input_ids, features=None, backend=None):
+        """The first layer's input [B, T, E] (a feature draft mixes in the target's hidden states)."""
+        if features is not None:
+            raise ValueError(f"{type(self).__name__} takes no features (it is not a feature draft)")
+        return self.embed_tokens(input_ids)
+
+    def head(self, h, backend=None):
+        """Logits [B, T, V] of the last layer's output h [B, T, E]."""
+        return numerics.linear(self.lm_head, self.norm(h), self.batch_invariant, backend, self.packed_linear)
+
     def forward_tensors(self, input_ids, k, v, positions, columns, mask, last_index, first_column, last_only: bool,
-                        backend: str | None = None):
+                        backend: str | None = None, features=None, hidden: str | None = None):
         """The forward on tensors alone (what `compile_forward` captures): input_ids [B, T]; k/v caches
         [L, B, H_kv, C, D], written in place; positions/columns [B, T]; mask [B, T, W]; last_index [B] or
         None; first_column: a host int (contiguous slice write) or None (scatter at `columns` with the
-        kv_append kernel of `backend`)."""
+        kv_append kernel of `backend`); features [B, T, E] or None (`embed`); hidden: also return the last
+        layer's output, at every position ("all") or where the logits are ("last")."""
         B, T = input_ids.shape
         cos, sin = self.rope(positions)
         if self.batch_invariant:
@@ -326,15 +348,19 @@ class Transformer(nn.Module):
         else:
             zero = torch.zeros((), dtype=self.dtype, device=input_ids.device)
             attn_bias = torch.where(mask, zero, float("-inf"))[:, None]  # [B, 1, T, W], once for all layers
-        h = self.embed_tokens(input_ids)  # [B, T, E]
+        h = self.embed(input_ids, features, backend)  # [B, T, E]
         for layer, k_cache, v_cache in zip(self.layers, k, v):
             h = layer(h, cos, sin, k_cache, v_cache, columns, attn_bias, first_column, backend)
+        out = h
         if last_only:
             if last_index is None:
-                h = h[:, -1:]  # [B, 1, E]
+                out = h[:, -1:]  # [B, 1, E]
             else:
-                h = h[torch.arange(B, device=h.device), last_index][:, None]  # [B, 1, E]
-        return numerics.linear(self.lm_head, self.norm(h), self.batch_invariant, backend, self.packed_linear)
+                out = h[torch.arange(B, device=h.device), last_index][:, None]  # [B, 1, E]
+        logits = self.head(out, backend)
+        if hidden is None:
+            return logits
+        return logits, (h if hidden == "all" else out)
 
     def compile_forward(self, mode: str | None = None) -> "Transformer":
         """Compile `forward_tensors` with torch.compile (inductor; `mode="reduce-overhead"` adds CUDA graphs

@@ -8,10 +8,13 @@ emitted tokens):
 - the target cache holds s[:-1] (`length = len(s) - 1`): the last token, already emitted, is fed next;
 - the draft cache holds a prefix s[:len(s) - lag] with lag >= 2 (2 after a speculative step, one more
   after each step that did not run the draft, k = 0; the whole sequence when the draft's prefill was
-  deferred, see `DecodeContext.prefill_draft`). A speculative step's first draft forward feeds the last
-  T = max(lag) tokens of every row, re-writing the columns of tokens it already holds (identical K/V),
-  so one uniform forward covers every row whatever its lag, and the draft is always in step even when
-  all k drafts were accepted (the k-th draft is proposed but never fed through the draft).
+  deferred, see `DecodeContext.prefill_draft`). A feature draft (models/feature_draft.py) keeps only what it
+  fed with the target's own features: lag >= 1 (a + 1 after a step that accepted a drafts), and
+  `features[i, p]` holds the target's hidden state at position p for every p < len(s) - 1.
+  A speculative step's first draft forward feeds the last T = max(lag) tokens of every row, re-writing the
+  columns of tokens it already holds (identical K/V), so one uniform forward covers every row whatever its
+  lag, and the draft is always in step even when all k drafts were accepted (the k-th draft is proposed but
+  never fed through the draft).
 
 The host mirrors what it needs to plan a step -- the rows' sequence lengths (from the requests), cache
 lengths and starts (`KVCache.host_*`), which rows are greedy -- so a step never reads the device to plan
@@ -63,6 +66,11 @@ class DecodeContext:
         return self.options.kernel_backend
 
     @property
+    def feature_draft(self) -> bool:
+        """Whether the draft reads the target's hidden states (docs/api.md, feature drafts)."""
+        return getattr(self.draft, "reads_target_hidden", False)
+
+    @property
     def prefill_draft(self) -> bool:
         """Whether a prefill fills the new rows' draft caches too. Always with a fixed k; with auto k only
         while the chooser is drafting: a run that stays at k = 0 never runs the draft, and one that starts
@@ -99,13 +107,15 @@ class Batch:
     """Rows decoded together: requests, the target's (and the draft's) KV cache of the same row order,
     and the device row state (`tokens`, `seq_len`, `params`)."""
 
-    def __init__(self, requests: list[Request], target_cache, draft_cache, tokens, seq_len, params: RowParams):
+    def __init__(self, requests: list[Request], target_cache, draft_cache, tokens, seq_len, params: RowParams,
+                 features=None):
         self.requests = requests
         self.target_cache = target_cache
         self.draft_cache = draft_cache
         self.tokens = tokens  # [B, C] int64: row i's sequence at columns 0..seq_len[i]-1
         self.seq_len = seq_len  # [B] int64
         self.params = params
+        self.features = features  # [B, C, E] the target's hidden state per position (feature drafts), or None
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -139,21 +149,43 @@ class Batch:
         self.draft_cache.set_rows(length=(self.seq_len - T).clamp(min=0), host_length=[s - f for s, f in zip(seq, fed)])
         return T, fed
 
-    def draft_accepted(self, seq_before: list[int], counts: list[int]) -> None:
-        """After a verification that accepted counts[i] drafts: the draft keeps the accepted drafts it has
-        fed (all but the k-th), a lag of 2 behind the sequence."""
+    def draft_accepted(self, seq_before: list[int], counts: list[int], num_accepted) -> None:
+        """After a verification that accepted counts[i] drafts (num_accepted [B] on the device): the draft
+        keeps the accepted drafts it has fed (all but the k-th), a lag of 2 behind the sequence. A feature
+        draft fed its drafts with its own features, not the target's: it keeps only the sequence before the
+        step (lag a + 1), and re-feeds the accepted tokens with the target's features next step."""
+        if self.features is not None:
+            self.draft_cache.set_rows(length=self.target_cache.length - num_accepted, host_length=list(seq_before))
+            return
         self.draft_cache.set_rows(length=self.target_cache.length - 1,
                                   host_length=[s + a - 1 for s, a in zip(seq_before, counts)])
 
-    def last_tokens(self, T: int, layout: str) -> torch.Tensor:
-        """The last T tokens of every row, gathered on the device: [B, T] int64. A row shorter than T is
-        padded on the layout's side (left-padded: at the front; ragged: at the back)."""
+    def last_positions(self, T: int, layout: str) -> torch.Tensor:
+        """The positions of every row's last T tokens [B, T]; a row shorter than T is padded on the layout's
+        side (left-padded: at the front, with position 0; ragged: at the back)."""
         j = torch.arange(T, device=self.tokens.device)  # [T]
         if layout == LEFT_PADDED:
-            index = (self.seq_len[:, None] - T + j).clamp(min=0)  # [B, T]
-        else:
-            index = (self.seq_len - T).clamp(min=0)[:, None] + j  # [B, T]
-        return self.tokens.gather(1, index)
+            return (self.seq_len[:, None] - T + j).clamp(min=0)  # [B, T]
+        return (self.seq_len - T).clamp(min=0)[:, None] + j  # [B, T]
+
+    def last_tokens(self, T: int, layout: str) -> torch.Tensor:
+        """The last T tokens of every row, gathered on the device: [B, T] int64 (padded as `last_positions`)."""
+        return self.tokens.gather(1, self.last_positions(T, layout))
+
+    def features_before(self, positions) -> torch.Tensor:
+        """A feature draft's input for tokens at `positions` [B, T]: the target's hidden state at the
+        position before each ([B, T, E]; zeros before position 0, and for left padding)."""
+        E = self.features.shape[-1]
+        before = positions - 1  # [B, T]
+        gathered = self.features.gather(1, before.clamp(min=0)[..., None].expand(-1, -1, E))  # [B, T, E]
+        return gathered.masked_fill((before < 0)[..., None], 0)
+
+    def record_features(self, hidden) -> None:
+        """Store the target's hidden states [B, T, E] of a step that fed positions seq_len - 1 .. seq_len + T - 2
+        (before `append`); positions past what the step accepts are rewritten by a later step."""
+        T, E = hidden.shape[1], hidden.shape[2]
+        columns = self.seq_len[:, None] - 1 + torch.arange(T, device=hidden.device)  # [B, T]
+        self.features.scatter_(1, columns[..., None].expand(-1, -1, E), hidden.to(self.features.dtype))
 
     def append(self, emitted, count) -> None:
         """Append emitted tokens [B, n] (only the first `count` [B] of each row are real; -1 placeholders
@@ -169,6 +201,8 @@ class Batch:
             cache.keep_rows(rows)
         self.tokens = self.tokens.index_select(0, index)
         self.seq_len = self.seq_len.index_select(0, index)
+        if self.features is not None:
+            self.features = self.features.index_select(0, index)  # [b, C, E]
         self.requests = [self.requests[i] for i in rows]
         self.params = row_params(self.requests, self.tokens.device)
 
@@ -181,6 +215,10 @@ class Batch:
         tokens = torch.zeros(len(self), capacity, dtype=self.tokens.dtype, device=self.tokens.device)  # [B, C']
         tokens[:, : self.tokens.shape[1]] = self.tokens
         self.tokens = tokens
+        if self.features is not None:
+            features = self.features.new_zeros(len(self), capacity, self.features.shape[2])  # [B, C', E]
+            features[:, : self.features.shape[1]] = self.features
+            self.features = features
 
     def extend(self, other: "Batch") -> None:
         """Append the rows of a freshly prefilled batch (same layout; its capacity is raised to ours)."""
@@ -191,6 +229,8 @@ class Batch:
             self.draft_cache.append_rows(other.draft_cache)
         self.tokens = torch.cat([self.tokens, other.tokens])  # [B + b, C]
         self.seq_len = torch.cat([self.seq_len, other.seq_len])  # [B + b]
+        if self.features is not None:
+            self.features = torch.cat([self.features, other.features])  # [B + b, C, E]
         self.requests = self.requests + other.requests
         self.params = row_params(self.requests, self.tokens.device)
 
@@ -203,6 +243,8 @@ class Batch:
         width = other.tokens.shape[1]
         self.tokens[index, :width] = other.tokens
         self.seq_len[index] = other.seq_len
+        if self.features is not None:
+            self.features[index, :width] = other.features
         for slot, request in zip(slots, other.requests):
             self.requests[slot] = request
         self.params = row_params(self.requests, self.tokens.device)
@@ -249,23 +291,33 @@ def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: 
         cache.set_prefill(lengths, width)
         return cache
 
-    def run(model):
-        cache = empty_cache(model)
-        logits = model.forward(ids, cache, num_new=lengths, logits="last")[:, -1, : ctx.vocab_size]  # [B, V]
-        return cache, logits
-
-    target_cache, logits = run(ctx.target)
+    target_cache = empty_cache(ctx.target)
+    features = None
+    if ctx.feature_draft:  # the target's hidden state at every prompt position, kept per position
+        logits, hidden = ctx.target.forward(ids, target_cache, num_new=lengths, logits="last", hidden="all")
+        features = hidden.new_zeros(len(requests), tokens.shape[1], hidden.shape[2])  # [B, C, E]
+        for i, n in enumerate(lengths):
+            features[i, :n] = hidden[i, width - n:] if layout == LEFT_PADDED else hidden[i, :n]
+    else:
+        logits = ctx.target.forward(ids, target_cache, num_new=lengths, logits="last")
+    logits = logits[:, -1, : ctx.vocab_size]  # [B, V]
     ctx.metrics.target_forwards += 1
-    draft_cache = None
+    batch = Batch(list(requests), target_cache, None, tokens.to(device),
+                  torch.tensor(lengths, dtype=torch.int64, device=device), row_params(requests, device), features)
+    if ctx.draft is not None:
+        batch.draft_cache = empty_cache(ctx.draft)
     if ctx.draft is not None and ctx.prefill_draft:
-        draft_cache, _ = run(ctx.draft)
-        # the draft lags by two tokens (see module docstring): the last prompt token is fed again next step
-        draft_cache.set_rows(length=draft_cache.length - 1, host_length=[n - 1 for n in lengths])
+        draft_input = {}
+        if features is not None:  # each prompt token with the target's hidden state before it
+            j = torch.arange(width, device=device)  # [W]
+            shift = torch.tensor([width - n if layout == LEFT_PADDED else 0 for n in lengths], device=device)  # [B]
+            draft_input["features"] = batch.features_before(j[None] - shift[:, None])  # [B, W, E]
+        ctx.draft.forward(ids, batch.draft_cache, num_new=lengths, logits="last", **draft_input)
         ctx.metrics.draft_forwards += 1
-    elif ctx.draft is not None:  # deferred: an empty draft cache, the whole sequence is its lag
-        draft_cache = empty_cache(ctx.draft)
-    batch = Batch(list(requests), target_cache, draft_cache, tokens.to(device),
-                  torch.tensor(lengths, dtype=torch.int64, device=device), row_params(requests, device))
+        if features is None:
+            # the draft lags by two tokens (see module docstring): the last prompt token is fed again next step
+            batch.draft_cache.set_rows(length=batch.draft_cache.length - 1, host_length=[n - 1 for n in lengths])
+    # else deferred: an empty draft cache, the whole sequence is its lag
     first = choose_tokens(logits, batch.params, ctx.probs_dtype, batch.seq_len, lengths, ctx.kernel_backend)  # [B]
     batch.append(first[:, None], torch.ones_like(first))
     readback = torch.stack([first, finite_rows(logits).to(torch.int64)], dim=1).tolist()  # the one sync

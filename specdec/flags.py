@@ -43,8 +43,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str = "rows dec
     """The model and engine flags (--target, --draft, --method, -k, ...), shared by every CLI."""
     p.add_argument("--target", help="target checkpoint: a directory in HF format (config.json, model.safetensors, "
                    "tokenizer) or a .gguf file; default: the embedded default target")
-    p.add_argument("--draft", help="draft checkpoint (directory or .gguf) sharing the target's tokenizer; default: "
-                   "the embedded default draft")
+    p.add_argument("--draft", help="draft checkpoint (directory or .gguf) sharing the target's tokenizer, or a "
+                   "feature-draft directory; default: the embedded default draft, or with --target the draft specdec "
+                   "ships for that target (recognised by its weights; SmolLM2-135M-Instruct)")
     p.add_argument("--method", choices=METHODS, default="eqspec", help="decoding strategy: ar = target only; "
                    "eqspec = left-padded, realign every step; exspec = same-length groups from a pool; "
                    "ragged = per-row offsets, never realign")
@@ -79,12 +80,14 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str = "rows dec
 
 
 def checkpoint_pair(args) -> tuple[str, str | None, bool]:
-    """(target, draft or None for AR, whether it is the embedded default pair), checked to exist."""
+    """(target, draft or None, whether it is the embedded default pair), checked to exist. The draft is None
+    for AR, and for a --target without --draft: `LLM` then uses the draft specdec ships for that target
+    (specdec/drafts.py), or says that it has none."""
     default_pair = args.target is None and args.draft is None
-    if (args.target is None) != (args.draft is None) and args.method != "ar":
-        raise ValueError("give both --target and --draft, or neither (the embedded default pair)")
+    if args.target is None and args.draft is not None:
+        raise ValueError("--draft needs --target (or give neither: the embedded default pair)")
     target = args.target or DEFAULT_TARGET
-    draft = None if args.method == "ar" else (args.draft or DEFAULT_DRAFT)
+    draft = None if args.method == "ar" else (args.draft or (DEFAULT_DRAFT if default_pair else None))
     for name, path in (("--target", target), ("--draft", draft)):
         if path is None:
             continue

@@ -24,9 +24,11 @@ def _tolerance(dtype) -> float:
     return {torch.float64: 1e-9, torch.float32: 1e-4}.get(dtype, 5e-2)
 
 
-def check_cache(name: str, model, cache, sequences: list[list[int]], lag: int, exact: bool = True) -> None:
+def check_cache(name: str, model, cache, sequences: list[list[int]], lag: int, exact: bool = True,
+                features=None) -> None:
     """`cache` must hold the first len(seq) - lag tokens of every row's sequence (`exact=False`: at most
-    that many: the draft, whose lag varies)."""
+    that many: the draft, whose lag varies). `features(i, n)` [1, n, E]: a feature draft's input for row i's
+    first n tokens (its K/V depend on them too)."""
     B = cache.batch_size
     start, length = cache.start.tolist(), cache.length.tolist()
     if (start, length) != (cache.host_start, cache.host_length):
@@ -65,7 +67,8 @@ def check_cache(name: str, model, cache, sequences: list[list[int]], lag: int, e
             continue
         tokens = torch.tensor(sequences[i][:n], device=cache.k.device)[None]  # [1, n]
         positions = torch.arange(n, device=cache.k.device)[None]  # [1, n]
-        k_ref, v_ref = model.layer0_kv(tokens, positions)  # [1, H_kv, n, D]
+        extra = () if features is None else (features(i, n),)
+        k_ref, v_ref = model.layer0_kv(tokens, positions, *extra)  # [1, H_kv, n, D]
         cols = slice(start[i], start[i] + n)
         for what, ref, got in (("K", k_ref[0], cache.k[0, i, :, cols]), ("V", v_ref[0], cache.v[0, i, :, cols])):
             err = (ref.double() - got.double()).abs().amax(dim=(0, 2))  # [n]
@@ -87,6 +90,13 @@ def check_invariants(ctx, batch) -> None:
             raise InvariantError(f"row state: row {i}: device sequence differs from request {batch.requests[i].index}")
     check_cache("target", ctx.target, batch.target_cache, sequences, lag=1)
     if batch.draft_cache is not None:
-        check_cache("draft", ctx.draft, batch.draft_cache, sequences, lag=2, exact=False)
+        features = None
+        if batch.features is not None:  # a feature draft fed token p with the target's hidden state at p - 1
+
+            def features(i, n):
+                zero = batch.features.new_zeros(1, 1, batch.features.shape[2])  # [1, 1, E]: before position 0
+                return torch.cat([zero, batch.features[i: i + 1, : n - 1]], dim=1)  # [1, n, E]
+        check_cache("draft", ctx.draft, batch.draft_cache, sequences, lag=1 if batch.features is not None else 2,
+                    exact=False, features=features)
         if batch.target_cache.layout == LEFT_PADDED and not torch.equal(batch.target_cache.start, batch.draft_cache.start):
             raise InvariantError("I6 rectangular: target and draft rows start at different columns")

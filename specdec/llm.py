@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import numbers
 import os
+import sys
 
 import torch
 
 from specdec.models import CheckpointError, is_gguf, load_model, load_tokenizer
+from specdec.models.feature_draft import is_feature_draft, load_feature_draft
 from specdec.models.numerics import packing_pays, set_batch_invariant
 
 from .autok import make_chooser
 from .devices import engine_device
+from .drafts import shipped_draft
 from .engine import Engine
 from .metrics import RunMetrics
 from .options import AUTO, EngineOptions
@@ -65,8 +68,6 @@ class LLM:
         k = num_speculative_tokens
         if speculative and k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"num_speculative_tokens must be 'auto' or an int >= 1 for method {method!r}, got {k!r}")
-        if speculative and draft is None:
-            raise ValueError(f"method {method!r} needs a draft model (draft=...)")
         if method == "exspec" and window_size < batch_size:
             raise ValueError(f"window_size ({window_size}) must be >= batch_size ({batch_size})")
         if check_invariants is None:
@@ -86,6 +87,14 @@ class LLM:
 
         self.specs = (target, draft)  # what the models were loaded from (auto k caches costs per checkpoint)
         self.target = self._model(target, dtype)
+        if speculative and draft is None:
+            draft = shipped_draft(self.target)
+            if draft is None:
+                raise ValueError(f"method {method!r} needs a draft model (draft=...): none is given, and specdec "
+                                 f"ships none for {model_name(target, 'target')}")
+            print(f"specdec: no draft given; using the draft shipped for this target ({draft.name}, recognised by "
+                  f"the target's fingerprint)", file=sys.stderr)
+            self.specs = (target, draft)
         self.draft = self._model(draft, dtype) if speculative else None
         if batch_invariant:  # models/numerics.py; False leaves model objects as they are
             for model in (self.target, self.draft):
@@ -135,6 +144,8 @@ class LLM:
             model.packed_linear = bool(packed)
 
     def _model(self, spec, dtype):
+        if isinstance(spec, (str, os.PathLike)) and is_feature_draft(spec):  # it borrows the target's tensors
+            return load_feature_draft(spec, self.target)
         if isinstance(spec, (str, os.PathLike)):
             return load_model(spec, dtype=dtype, device=self.device, check_weights=self.check_weights)
         for attr in ("forward", "new_cache", "vocab_size"):

@@ -19,7 +19,10 @@ def cache_bytes(model, rows: int, capacity: int) -> int:
     if cfg is None or not hasattr(cfg, "num_layers"):
         return 0
     itemsize = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize * rows * capacity
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize * rows * capacity
+    if getattr(model, "reads_target_hidden", False):  # a feature draft: the target's hidden state per position
+        kv += cfg.hidden_size * itemsize * rows * capacity
+    return kv
 
 
 def available_bytes(device) -> int | None:

@@ -26,18 +26,24 @@ def propose(ctx: DecodeContext, batch: Batch, k: int, noise):
     """k draft tokens per row: ([B, k] int64, [B, k, V] draft distributions or None when all greedy,
     [B] bool draft_ok: every draft distribution of the row was finite).
 
-    The first draft forward feeds each row's unseen tokens (T >= 2, see `Batch.rewind_draft`), the next k - 1
-    one each. `noise`: the step's `sampling.StepNoise` (None when all greedy); `noise.race[:, j]`, the
+    The first draft forward feeds each row's unseen tokens (T >= 2, or >= 1 for a feature draft: see
+    `Batch.rewind_draft`), the next k - 1 one each. `noise`: the step's `sampling.StepNoise` (None when all greedy); `noise.race[:, j]`, the
     Exp(1) noise of position seq_len + j, samples the j-th draft of sampling rows.
     """
     V, params, cache = ctx.vocab_size, batch.params, batch.draft_cache
     T, fed = batch.rewind_draft()
-    x = batch.last_tokens(T, cache.layout)  # [B, T]
+    positions = batch.last_positions(T, cache.layout)  # [B, T]
+    x = batch.tokens.gather(1, positions)  # [B, T]
     num_new = None if all(f == T for f in fed) else fed
+    # a feature draft reads the target's hidden state before each token, then its own output (models/feature_draft.py)
+    extra = {"features": batch.features_before(positions), "hidden": "last"} if batch.features is not None else {}
     drafts, probs = [], []
     ok = torch.ones(len(batch), dtype=torch.bool, device=x.device)  # [B]
     for j in range(k):
-        logits = ctx.draft.forward(x, cache, num_new=num_new, logits="last")[:, -1, :V]  # [B, V]
+        logits = ctx.draft.forward(x, cache, num_new=num_new, logits="last", **extra)
+        if extra:
+            logits, extra["features"] = logits  # [B, 1, V], [B, 1, E]
+        logits = logits[:, -1, :V]  # [B, V]
         ok &= finite_rows(logits)
         token = logits.argmax(dim=-1)  # [B]
         if noise is not None:
@@ -55,8 +61,7 @@ def verify(ctx: DecodeContext, batch: Batch, draft_ids):
     probabilities [B, k+1, V] (None when all rows are greedy), and [B] bool: the row's logits are finite."""
     params = batch.params
     pending = batch.last_tokens(1, batch.target_cache.layout)  # [B, 1]
-    logits = ctx.target.forward(torch.cat([pending, draft_ids], dim=1), batch.target_cache)[..., : ctx.vocab_size]
-    ctx.metrics.target_forwards += 1
+    logits = target_forward(ctx, batch, torch.cat([pending, draft_ids], dim=1))[..., : ctx.vocab_size]  # [B, k+1, V]
     target_argmax = logits.argmax(dim=-1) if params.any_greedy else None  # [B, k+1]
     target_probs = None if params.all_greedy else params.probs(logits, ctx.probs_dtype)  # [B, k+1, V]
     return target_argmax, target_probs, finite_rows(logits)
@@ -112,8 +117,19 @@ def accept(ctx: DecodeContext, batch: Batch, k: int, draft_ids, draft_probs, dra
     target = batch.target_cache
     target.set_rows(length=target.length - (k - num_accepted),
                     host_length=[s + a for s, a in zip(seq_before, counts)])
-    batch.draft_accepted(seq_before, counts)
+    batch.draft_accepted(seq_before, counts, num_accepted)
     return counts
+
+
+def target_forward(ctx: DecodeContext, batch: Batch, x):
+    """The target's logits [B, T, V] for x [B, T] fed after each row's cache; with a feature draft, the
+    target's hidden states at those positions are stored for the draft (`Batch.record_features`)."""
+    ctx.metrics.target_forwards += 1
+    if batch.features is None:
+        return ctx.target.forward(x, batch.target_cache)
+    logits, hidden = ctx.target.forward(x, batch.target_cache, hidden="all")  # [B, T, V], [B, T, E]
+    batch.record_features(hidden)
+    return logits
 
 
 def warn_once(ctx: DecodeContext, key: str, message: str) -> None:
@@ -161,8 +177,7 @@ def target_step(ctx: DecodeContext, batch: Batch) -> None:
     """One token per row from the target alone (AR decoding, and k = 0 steps of speculative strategies)."""
     with ctx.timer.phase("verify"):
         pending = batch.last_tokens(1, batch.target_cache.layout)  # [B, 1]
-        logits = ctx.target.forward(pending, batch.target_cache)[:, -1, : ctx.vocab_size]  # [B, V]
-        ctx.metrics.target_forwards += 1
+        logits = target_forward(ctx, batch, pending)[:, -1, : ctx.vocab_size]  # [B, V]
     with ctx.timer.phase("accept"):
         tokens = choose_tokens(logits, batch.params, ctx.probs_dtype, batch.seq_len, batch.host_seq_len,
                                ctx.kernel_backend)  # [B]

@@ -6,11 +6,11 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 
 import pytest
 
 from checkpoints import make_pair, write_wordlevel_tokenizer
+from cli_helpers import jsonl_indexes, quick_cli, start_cli, wait_for_partial
 
 
 def cli(*args, timeout=600):
@@ -107,13 +107,6 @@ def test_help_explains_every_flag():
 # --------------------------------------------------------------------------- issue 12: --output, signals, devices
 
 
-def quick_cli(*args, preexec_fn=None, timeout=300):
-    """The CLI without the per-step invariant checks (these tests are about files and signals)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", SPECDEC_CHECK_INVARIANTS="0")
-    return subprocess.run([sys.executable, "-m", "specdec.run", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, preexec_fn=preexec_fn)
-
-
 def many_prompts(root, n: int) -> str:
     path = root / f"prompts{n}.txt"
     path.write_text("\n".join(" ".join(f"w{(i * 5 + j) % 128}" for j in range(1 + i % 7)) for i in range(n)) + "\n")
@@ -194,29 +187,20 @@ def test_sigterm_and_ctrl_c_clean_up_with_one_line(pair, tmp_path, signum, code,
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     output = out_dir / "out.jsonl"
-    env = dict(os.environ, OMP_NUM_THREADS="1", SPECDEC_CHECK_INVARIANTS="0")
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.run", *pair_args(
-        pair, "--prompts", many_prompts(tmp_path, 400), "--max-tokens", "32", "--output", str(output))],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # wait until requests are being streamed to the partial file
-        partial = [n for n in os.listdir(out_dir) if n.endswith(".partial")]
-        if partial and os.path.getsize(out_dir / partial[0]) > 0:
-            break
-        time.sleep(0.05)
-    else:
-        proc.kill()
-        pytest.fail("no request finished in time")
+    proc = start_cli(*pair_args(pair, "--prompts", many_prompts(tmp_path, 400), "--max-tokens", "32",
+                                "--output", str(output)))
+    wait_for_partial(proc, out_dir)  # requests are being streamed to the partial file
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == code
+    assert proc.returncode == code, err
     assert len(err.strip().splitlines()) == 1 and err.startswith(f"specdec: {word}")
     # issue 26: the requests finished before the signal are kept, as after an error: whole JSON lines only
-    # in the hidden partial file, and the output itself is not created
+    # in the hidden partial file, which the line names with its count, and the output itself is not created
     kept = os.listdir(out_dir)
     assert len(kept) == 1 and kept[0].startswith(".out.jsonl.") and kept[0].endswith(".partial")
-    data = (out_dir / kept[0]).read_text()
-    assert data.endswith("\n") and all(json.loads(line)["index"] >= 0 for line in data.splitlines())
+    assert err.strip().rsplit(" are in ", 1)[1] == str(out_dir / kept[0]) and not output.exists()
+    count = int(err.split("; the ")[1].split(" request(s)")[0])
+    assert len(jsonl_indexes(out_dir / kept[0])) == count >= 1
 
 
 def test_check_weights_flag(pair, tmp_path, capsys):

@@ -128,3 +128,17 @@ def test_counter_sees_a_hidden_read(pair, monkeypatch):
               check_invariants=False)
     steps = reads_per_step(llm, prompts, params, monkeypatch)
     assert all(reads == decoded + prefills + decoded for reads, prefills, decoded in steps)
+
+
+@pytest.mark.parametrize("method", ["eqspec", "ragged", "exspec"])
+def test_feature_draft_steps_read_once(pair, method, monkeypatch):
+    """A feature draft (the target's hidden states stored and gathered on the device) adds no read."""
+    from specdec.models import load_model
+    from test_feature_draft import make_feature_draft
+
+    target = load_model(pair[0], dtype="float32")
+    prompts, params = mixed_requests(n=10, seed=2)
+    llm = LLM(target, make_feature_draft(target), method=method, num_speculative_tokens=3, batch_size=4,
+              check_invariants=False, cost_cache="")
+    steps = reads_per_step(llm, prompts, params, monkeypatch, arrive_at=[0, 0, 0, 1, 2, 2, 4, 6, 6, 7])
+    assert all(reads == decoded + prefills for reads, prefills, decoded in steps), f"{method}: {steps}"

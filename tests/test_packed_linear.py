@@ -74,3 +74,23 @@ def test_greedy_equals_ar_with_packed_weights(tmp_path_factory, method):
     assert spec.target.packed_linear
     out = spec.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+
+
+def test_packed_row_buckets_bound_the_shapes_and_keep_results():
+    """Rows above PACKED_EXACT_ROWS run padded to a multiple of PACKED_ROW_STEP: few shapes (oneDNN caches a
+    primitive per shape), the same values as the unpadded product up to float32 rounding."""
+    from torch import nn
+
+    from specdec.models import numerics
+
+    shapes = {numerics.packed_rows(m) for m in range(2, numerics.PACKED_MAX_ROWS + 1)}
+    assert len(shapes) <= 24 and all(s >= m for m, s in ((m, numerics.packed_rows(m)) for m in range(2, 65)))
+    layer = nn.Linear(32, 48)
+    if numerics.pack_weight(torch.zeros(8, 8)) is None:
+        pytest.skip("no oneDNN packed path in this torch build")
+    x = torch.randn(3, 7, 32)  # 21 rows: padded to 24
+    torch.testing.assert_close(numerics.linear(layer, x, False, packed=True), layer(x), rtol=1e-5, atol=1e-5)
+    layer.packed_linear = True
+    model = nn.Sequential(layer)
+    model.packed_linear = True
+    assert numerics.warm_packed(model) == len(shapes)

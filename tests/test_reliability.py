@@ -2,8 +2,9 @@
 
 In-process and fast (no model is loaded here): SamplingParams and CLI sampling flags (defect 6), device
 resolution (defect 5), SpecBench `turns` (defect 9), and the `--output` writer (defects 2-4) on every kind of
-path: regular files, symlinks, devices, FIFOs, directories, failures before, during and after the run,
-and interrupts. tests/test_cli.py drives the same cases end to end through `python -m specdec.run`.
+path: regular files, symlinks, devices, FIFOs, directories, failures before, during and after the run
+(interrupts: tests/test_reliability2.py). tests/test_cli.py drives the same cases end to end through
+`python -m specdec.run`.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from specdec.devices import engine_device, resolve_device
 from specdec.output import JsonlOutput, OutputError
 from specdec.prompts import read_prompts
 from specdec.run import error_line, main
+
+from cli_helpers import fake_output, hidden, jsonl_indexes as indexes
 
 # --------------------------------------------------------------------------- SamplingParams (defect 6)
 
@@ -109,12 +112,6 @@ def test_specbench_turns_must_be_strings(tmp_path):
 # --------------------------------------------------------------------------- --output (defects 2, 3, 4)
 
 
-def fake_output(index: int) -> SimpleNamespace:
-    return SimpleNamespace(index=index, text=f"t{index}", token_ids=[index], prompt_token_ids=[1, index],
-                           finish_reason="length", accepted_counts=[1], speculative_tokens=[3], latency_s=0.5,
-                           time_to_first_token_s=0.1)
-
-
 OUTPUTS = [fake_output(i) for i in range(4)]
 PROMPTS = [f"p{i}" for i in range(4)]
 
@@ -128,14 +125,6 @@ def run_output(path, completion_order=(2, 0, 3, 1), fail_after: int | None = Non
             out.write(OUTPUTS[i], PROMPTS[i])
         out.commit(OUTPUTS, PROMPTS)
     return out
-
-
-def indexes(path) -> list[int]:
-    return [json.loads(line)["index"] for line in open(path, encoding="utf-8").read().splitlines()]
-
-
-def hidden(directory) -> list[str]:
-    return sorted(n for n in os.listdir(directory) if n.startswith("."))
 
 
 @pytest.fixture
@@ -266,17 +255,3 @@ def test_failing_final_write_keeps_the_complete_partial(tmp_path, monkeypatch):
     partial, lines = info.value.specdec_partial
     assert sorted(indexes(partial)) == [0, 1, 2, 3] and lines == 4
     assert hidden(tmp_path) == [os.path.basename(partial)] and not path.exists()  # the second temporary is gone
-
-
-@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
-def test_interrupt_keeps_the_finished_requests_as_an_error_does(tmp_path, interrupt):
-    """Issue 26: an interrupt keeps the partial file like any other failure (it used to remove it)."""
-    path = tmp_path / "out.jsonl"
-    path.write_text("previous run\n")
-    with pytest.raises(interrupt) as info:
-        with JsonlOutput.open(str(path)) as out:
-            out.write(OUTPUTS[0], PROMPTS[0])
-            raise interrupt()
-    partial, lines = info.value.specdec_partial
-    assert hidden(tmp_path) == [os.path.basename(partial)] and indexes(partial) == [0] and lines == 1
-    assert path.read_text() == "previous run\n"

@@ -18,7 +18,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +25,8 @@ import torch
 from specdec.models import CheckpointError, ModelConfig, load_model, load_tokenizer
 from specdec.output import JsonlOutput, OutputError, check_paths, record
 from specdec.prompts import DEFAULT_DRAFT, DEFAULT_TARGET, read_prompts
+
+from cli_helpers import fake_output, hidden, jsonl_indexes, quick_cli as cli
 
 # --------------------------------------------------------------------------- config.json, field by field
 
@@ -297,21 +298,8 @@ def test_lone_surrogate_names_file_and_line(tmp_path, record, field):
 # --------------------------------------------------------------------------- --output writer
 
 
-def fake_output(index: int) -> SimpleNamespace:
-    return SimpleNamespace(index=index, text=f"text {index} " * 20, token_ids=list(range(index, index + 30)),
-                           prompt_token_ids=[1, index], finish_reason="length", accepted_counts=[1],
-                           speculative_tokens=[3], latency_s=0.5, time_to_first_token_s=0.1)
-
-
 OUTPUTS = [fake_output(i) for i in range(6)]
 PROMPTS = [f"p{i}" for i in range(6)]
-
-
-def jsonl_indexes(path) -> list[int]:
-    """Indexes of a JSONL file that must be valid: every line whole and parseable, ending in a newline."""
-    data = open(path, encoding="utf-8").read()
-    assert data == "" or data.endswith("\n"), "the file ends in a cut-off line"
-    return [json.loads(line)["index"] for line in data.splitlines()]
 
 
 def test_write_cut_off_mid_line_keeps_whole_lines_only(tmp_path, monkeypatch):
@@ -368,6 +356,7 @@ def test_file_size_limit_mid_line_keeps_whole_lines_only(tmp_path):
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
 def test_interrupt_keeps_the_finished_requests(tmp_path, interrupt):
+    """Issue 26: an interrupt keeps the partial file like any other failure (it used to remove it)."""
     path = tmp_path / "out.jsonl"
     path.write_text("previous run\n")
     with pytest.raises(interrupt) as info:
@@ -377,6 +366,7 @@ def test_interrupt_keeps_the_finished_requests(tmp_path, interrupt):
             raise interrupt()
     partial, lines = info.value.specdec_partial
     assert jsonl_indexes(partial) == [3, 1] and lines == 2 and out.kept == partial
+    assert hidden(tmp_path) == [os.path.basename(partial)]
     assert path.read_text() == "previous run\n"
     assert out.note("the interrupt") == (f"; --output {path} left as it was; the 2 request(s) finished before the "
                                          f"interrupt are in {partial}")
@@ -546,12 +536,6 @@ def test_triton_backend_without_gpu_or_interpreter_is_one_value_error(monkeypatc
 # --------------------------------------------------------------------------- the CLI, end to end
 
 
-def cli(*args, env=None, timeout=300, **kwargs):
-    env = dict(os.environ, OMP_NUM_THREADS="1", SPECDEC_CHECK_INVARIANTS="0", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "specdec.run", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, **kwargs)
-
-
 QUICK = ["--max-tokens", "2", "-k", "2", "--no-compare-ar", "--no-progress", "--samples", "0"]
 
 
@@ -600,35 +584,6 @@ def test_cli_checks_metrics_before_decoding(tmp_path):
     assert_one_error_line(result)
     assert f"--metrics {tmp_path}/nope/m.json: directory {tmp_path}/nope does not exist" in result.stderr
     assert result.stdout == ""  # nothing ran
-
-
-def test_cli_sigterm_names_the_kept_finished_requests(tmp_path):
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("".join(f"line {i} of the prompts\n" for i in range(400)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", SPECDEC_CHECK_INVARIANTS="0")
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.run", "--prompts", str(prompts), "--output",
-                             str(out_dir / "o.jsonl"), "--max-tokens", "16", "-k", "2", "--batch-size", "2",
-                             "--no-compare-ar", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-    import time
-
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:  # bounded: wait until some requests are in the partial file
-        partial = [n for n in os.listdir(out_dir) if n.endswith(".partial")]
-        if partial and os.path.getsize(out_dir / partial[0]) > 0:
-            break
-        time.sleep(0.05)
-    else:
-        proc.kill()
-        pytest.fail("no request finished in time")
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143 and len(err.strip().splitlines()) == 1, err
-    kept = err.strip().rsplit(" are in ", 1)[1]
-    count = int(err.split("; the ")[1].split(" request(s)")[0])
-    assert len(jsonl_indexes(kept)) == count >= 1 and not (out_dir / "o.jsonl").exists()
 
 
 def test_cli_with_stdout_closed_is_not_a_traceback():

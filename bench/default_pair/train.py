@@ -52,10 +52,11 @@ class TrainConfig:
     log_every: int = 50
 
 
-def train_loop(name: str, model, next_batch, loss_fn, cfg: TrainConfig) -> dict:
+def train_loop(name: str, model, next_batch, loss_fn, cfg: TrainConfig, after_step=None) -> dict:
     """AdamW (betas 0.9/0.95, decay on matrices only) + warmup + cosine. `next_batch()` gives a batch,
     `loss_fn(model, batch)` its scalar loss. Without `cfg.steps` the step count is fitted to `cfg.minutes`
-    after CALIBRATION_STEPS steps and re-fitted at the fractions RECHECK_AT of the run."""
+    after CALIBRATION_STEPS steps and re-fitted at the fractions RECHECK_AT of the run. `after_step(step,
+    total)`, when given, runs after every step (validation points of a training curve; its time counts)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -84,6 +85,9 @@ def train_loop(name: str, model, next_batch, loss_fn, cfg: TrainConfig) -> dict:
         while rechecks and step >= max(CALIBRATION_STEPS + 1, int(total * rechecks[0])):
             rechecks.pop(0)
             total = budgeted_count(f"{name} steps", step, elapsed, budget_s, total)
+        if after_step is not None:
+            after_step(step, total)
+            model.train()
         if step % cfg.log_every == 0 or step == total:
             log(f"{name} step {step}/{total} loss {value:.3f} (ema {loss_ema:.3f}) lr {cur_lr:.2e} "
                 f"elapsed {elapsed / 60:.1f} min eta {(total - step) * elapsed / step / 60:.1f} min")

@@ -10,6 +10,8 @@ import threading
 import time
 import uuid
 
+from specdec.models.numerics import warm_packed
+
 from .protocol import ApiError
 
 log = logging.getLogger("specdec.serve")
@@ -144,7 +146,11 @@ class EngineWorker:
 
 def warm_up(engine, prompt_ids: list[int], params, copies: int) -> None:
     """Run `copies` short requests through the engine before serving, so that the first clients do not pay
-    for auto k's calibration (at that many rows), lazy allocations or compilation."""
+    for auto k's calibration (at that many rows), lazy allocations or compilation; and every packed linear
+    layer at every row count it will see (`numerics.warm_packed`), so that the server's memory stays flat."""
+    for model in (engine.llm.target, engine.llm.draft):
+        if model is not None:
+            warm_packed(model)
     for i in range(copies):
         engine.add_request(prompt_ids, params, request_id=f"warm-up-{i}")
     while engine.has_unfinished():

@@ -120,6 +120,7 @@ class Pool:
         self.buffers = self._buffers(size, capacity)
         self.tokens = torch.zeros(size, capacity, dtype=torch.int64, device=ctx.device)  # [size, C]
         self.seq_len = torch.zeros(size, dtype=torch.int64, device=ctx.device)  # [size]
+        self.features = None  # [size, C, E] the target's hidden states per position (feature drafts: batch.py)
         self.rows: list = [None] * size  # the request in each slot
         self.waits: list[int] = [0] * size  # steps since each slot's row was last scheduled
         self.stepped: list[int] = []  # the slots of the batch in flight (set by gather, read by scatter)
@@ -155,6 +156,10 @@ class Pool:
         tokens = torch.zeros(self.size, capacity, dtype=torch.int64, device=self.ctx.device)  # [size, C]
         tokens[: self.tokens.shape[0], : self.tokens.shape[1]] = self.tokens
         self.tokens = tokens
+        if self.features is not None:
+            features = self.features.new_zeros(self.size, capacity, self.features.shape[2])  # [size, C, E]
+            features[: self.features.shape[0], : self.features.shape[1]] = self.features
+            self.features = features
         self.buffers = self._buffers(self.size, capacity)
 
     def free_slots(self) -> list[int]:
@@ -176,6 +181,10 @@ class Pool:
         index = self.index(slots)
         self.tokens[index, : fresh.tokens.shape[1]] = fresh.tokens
         self.seq_len[index] = fresh.seq_len
+        if fresh.features is not None:
+            if self.features is None:
+                self.features = fresh.features.new_zeros(self.size, self.capacity, fresh.features.shape[2])
+            self.features[index, : fresh.features.shape[1]] = fresh.features
         for slot, request in zip(slots, fresh.requests):
             self.rows[slot] = request
             self.waits[slot] = 0
@@ -195,8 +204,9 @@ class Pool:
             draft = self.draft.gather_rows(slots, self.buffers[1], offsets, width)
         index = self.index(slots)
         requests = [self.rows[s] for s in slots]
+        features = None if self.features is None else self.features.index_select(0, index)  # [g, C, E]
         batch = Batch(requests, target, draft, self.tokens.index_select(0, index), self.seq_len.index_select(0, index),
-                      row_params(requests, ctx.device))
+                      row_params(requests, ctx.device), features)
         if not grouped and not fold:
             with ctx.timer.phase("realign"):
                 realign_batch(ctx, batch)
@@ -215,6 +225,8 @@ class Pool:
             self.draft.scatter_rows(self.stepped, batch.draft_cache, self.firsts[1])
             self.tokens.index_copy_(0, index, batch.tokens)
             self.seq_len.index_copy_(0, index, batch.seq_len)
+            if batch.features is not None:
+                self.features.index_copy_(0, index, batch.features)
 
 
 # -------------------------------------------------------------------------------------------- scheduler
