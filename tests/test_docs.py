@@ -16,10 +16,10 @@ from specdec.options import EngineOptions
 ROOT = Path(__file__).resolve().parents[1]
 # the user-facing docs whose flags must exist (benchmarks.md names each bench script's own flags with its command)
 DOCS = ["README.md", "docs/api.md", "docs/design.md", "docs/distributed.md", "docs/serve.md", "docs/exspec.md",
-        "docs/default_pair.md", "docs/kernels.md"]
+        "docs/default_pair.md", "docs/kernels.md", "docs/feature_draft.md"]
 # parser builders of our command lines: module, function
 CLIS = [("specdec.run", "build_parser"), ("specdec.serve.__main__", "build_parser"), ("specdec.convert", "build_parser"),
-        ("bench.default_pair.__main__", "build_parser")]
+        ("bench.default_pair.__main__", "build_parser"), ("bench.default_pair.feature_draft", "build_parser")]
 # flags of other programs the docs show in their commands
 OTHER_TOOLS = {
     "--head", "--address",  # ray start (docs/distributed.md)

@@ -236,7 +236,7 @@ def plot(results: dict, path: Path) -> None:
     save_figure(fig, str(path))
 
 
-def main(argv=None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.default_pair.feature_draft", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=Path, required=True, help="the target (.gguf or checkpoint directory)")
@@ -264,7 +264,11 @@ def main(argv=None) -> dict:
     p.add_argument("--eval-k", type=int, default=5, help="k of the acceptance evaluation")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--seed", type=int, default=0, help="seed of the data order, noise and initialisation")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t_start, times = time.time(), {}
