@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -42,10 +43,19 @@ def quick_cli(*args, env=None, timeout=300, **kwargs) -> subprocess.CompletedPro
                           timeout=timeout, env=env, **kwargs)
 
 
+def default_sigint() -> None:
+    """Ctrl-C as a user's terminal delivers it: a shell that starts a job in the background (a CI runner may
+    run the suite so) ignores SIGINT, the ignore is inherited, and Python then never raises
+    KeyboardInterrupt; the signal tests restore the default first."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_cli(*args) -> subprocess.Popen:
-    """`python -m specdec.run ARGS` started in the background, with QUIET_ENV; stdout and stderr piped."""
+    """`python -m specdec.run ARGS` started in the background, with QUIET_ENV and SIGINT at its default;
+    stdout and stderr piped."""
     return subprocess.Popen([sys.executable, "-m", "specdec.run", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, **QUIET_ENV))
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, **QUIET_ENV),
+                            preexec_fn=default_sigint)
 
 
 def wait_for_partial(proc: subprocess.Popen, out_dir, timeout: float = 120) -> str:

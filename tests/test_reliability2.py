@@ -387,11 +387,15 @@ def test_ctrl_c_in_the_middle_of_a_line_does_not_tear_it(tmp_path, monkeypatch):
             return n
         return real_write(fd, data)
 
-    with pytest.raises(KeyboardInterrupt) as info:
-        with JsonlOutput.open(str(path)) as out:
-            monkeypatch.setattr(os, "write", slow_write)
-            for i in range(4):
-                out.write(OUTPUTS[i], PROMPTS[i])
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # even where the runner ignores SIGINT
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:
+            with JsonlOutput.open(str(path)) as out:
+                monkeypatch.setattr(os, "write", slow_write)
+                for i in range(4):
+                    out.write(OUTPUTS[i], PROMPTS[i])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     monkeypatch.undo()
     partial, lines = info.value.specdec_partial
     kept = jsonl_indexes(partial)
