@@ -221,11 +221,9 @@ def parse_args(argv=None):
         args.variants = [parse_variant(m) for m in args.methods.split(",") if m.strip()]
         if len({v.label for v in args.variants}) != len(args.variants):
             raise ValueError(f"--methods {args.methods!r}: a method is listed twice")
-        if args.target and not args.draft:
-            needs = [v.label for v in args.variants if v.speculative and v.method != "lookup"]
-            args.draft = shipped_draft_path(args.target) if needs else None
-            if needs and args.draft is None:
-                raise ValueError(f"--methods {', '.join(needs)} need a draft: give --draft, or use ar/hf-ar/hf-lookup")
+        # without --draft, the draft shipped for the target (load_pair finds it once the target is loaded)
+        args.needs_draft = ([v.label for v in args.variants if v.speculative and v.method != "lookup"]
+                            if args.target and not args.draft else [])
         args.num_prompts = per_config(str(args.num_prompts), "--num-prompts", args.pairs, args.dtypes)
         args.max_tokens = per_config(str(args.max_tokens), "--max-tokens", args.pairs, args.dtypes)
         args.max_prompt_tokens = per_config(str(args.max_prompt_tokens), "--max-prompt-tokens", args.pairs,
@@ -281,6 +279,12 @@ def load_pair(name: str, dtype: str, args) -> Pair:
     target_dir, draft_dir = pair_paths(name, args)
     torch_dtype = getattr(torch, dtype)
     target = load_model(target_dir, dtype=dtype, device="cpu")
+    if draft_dir is None and name == "target" and args.needs_draft:
+        found = shipped_draft(target)
+        if found is None:
+            raise SystemExit(f"bench/peers.py: --methods {', '.join(args.needs_draft)} need a draft: give --draft, "
+                             f"or use ar/hf-ar/hf-lookup")
+        draft_dir = args.draft = str(found)  # the next dtype's load_pair reads it from pair_paths
     draft = None if draft_dir is None else load_draft(draft_dir, target, dtype)
     hf_target = hf_load(target_dir, torch_dtype)
     # a feature draft reads our target's hidden states: transformers cannot run it (hf-assisted needs a plain draft)
@@ -311,12 +315,6 @@ def load_pair(name: str, dtype: str, args) -> Pair:
 def load_draft(path: str, target, dtype: str):
     """specdec's draft: a feature draft on `target` (models/feature_draft.py), or a checkpoint."""
     return load_feature_draft(path, target) if is_feature_draft(path) else load_model(path, dtype=dtype, device="cpu")
-
-
-def shipped_draft_path(target_path: str) -> str | None:
-    """The draft specdec ships for the target checkpoint at `target_path` (found by its fingerprint), or None."""
-    found = shipped_draft(load_model(target_path, dtype="float32", device="cpu"))
-    return None if found is None else str(found)
 
 
 def hf_load(path: str, torch_dtype):

@@ -85,7 +85,6 @@ class LLM:
         self.device = engine_device(device, target)  # "auto": CUDA when available (or the model object's), else CPU
         self.check_weights = check_weights  # scan loaded weights for NaN/inf (load_model(check_weights=...))
 
-        self.specs = (target, draft)  # what the models were loaded from (auto k caches costs per checkpoint)
         self.target = self._model(target, dtype)
         if speculative and draft is None:
             draft = shipped_draft(self.target)
@@ -94,7 +93,7 @@ class LLM:
                                  f"ships none for {model_name(target, 'target')}")
             print(f"specdec: no draft given; using the draft shipped for this target ({draft.name}, recognised by "
                   f"the target's fingerprint)", file=sys.stderr)
-            self.specs = (target, draft)
+        self.specs = (target, draft)  # what the models were loaded from (auto k caches costs per checkpoint)
         self.draft = self._model(draft, dtype) if speculative else None
         if batch_invariant:  # models/numerics.py; False leaves model objects as they are
             for model in (self.target, self.draft):

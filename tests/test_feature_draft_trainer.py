@@ -32,9 +32,9 @@ def test_collate_labels_only_the_answer_and_the_draft_vocabulary():
     vocab_index = torch.full((10,), -100)
     vocab_index[torch.tensor([2, 5, 7])] = torch.arange(3)
     seqs = [[1, 2, 3, 4, 5], [6, 7]]
-    feats = [torch.ones(5, 4), torch.ones(2, 4)]
-    labels = [torch.tensor([2, 3, 4, 5, 7]), torch.tensor([7, 5])]
-    ids, f, y, valid = fd.collate(seqs, feats, labels, [3, 1], vocab_index, max_len=16)
+    data = {"features": [torch.ones(5, 4), torch.ones(2, 4)],
+            "labels": [torch.tensor([2, 3, 4, 5, 7]), torch.tensor([7, 5])], "prompt_lengths": [3, 1]}
+    ids, f, y, valid = fd.collate(seqs, data, [0, 1], vocab_index, max_len=16)
     assert ids.shape == (2, 5) and f.shape == (2, 5, 4)
     assert y.tolist() == [[-100, -100, -100, 1, 2], [2, 1, -100, -100, -100]]  # 3, 4 are outside the vocabulary
     assert valid.tolist() == [[True] * 5, [True, True, False, False, False]]

@@ -45,9 +45,8 @@ VAL_EVERY = 20  # every 20th sequence is held out of training (validation loss, 
 @torch.no_grad()
 def target_features(target, sequences: list[list[int]], batch: int = 8) -> dict:
     """Per sequence: the target's hidden states [n, E] and greedy next tokens [n] at every position."""
-    feats, labels = [], []
+    feats, labels = [None] * len(sequences), [None] * len(sequences)
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # similar lengths share a forward
-    out: dict[int, tuple] = {}
     for start in range(0, len(order), batch):
         idx = order[start: start + batch]
         lengths = [len(sequences[i]) for i in idx]
@@ -57,13 +56,10 @@ def target_features(target, sequences: list[list[int]], batch: int = 8) -> dict:
         cache = target.new_cache(len(idx), max(lengths))
         _, hidden = target.forward(ids, cache, num_new=lengths, logits="last", hidden="all")  # [b, T, E]
         for row, i in enumerate(idx):
-            h = hidden[row, : lengths[row]].clone()  # [n, E]
-            out[i] = (h, target.head(h).argmax(-1))  # [n, E], [n]
+            feats[i] = hidden[row, : lengths[row]].clone()  # [n, E]
+            labels[i] = target.head(feats[i]).argmax(-1)  # [n]
         if start // batch % 25 == 0:
             log(f"features: {start + len(idx)}/{len(sequences)} sequences")
-    for i in range(len(sequences)):
-        feats.append(out[i][0])
-        labels.append(out[i][1])
     return {"features": feats, "labels": labels}
 
 
@@ -83,7 +79,6 @@ class SequenceBatches:
 
     def __init__(self, sequences, data, train_ids, vocab_index, batch: int, max_len: int, seed: int):
         self.sequences, self.data, self.ids = sequences, data, list(train_ids)
-        self.prompt_lengths = data["prompt_lengths"]
         self.vocab_index, self.batch, self.max_len = vocab_index, batch, max_len
         self.rng = random.Random(seed)
         self.queue: list[int] = []
@@ -93,26 +88,25 @@ class SequenceBatches:
             self.rng.shuffle(self.ids)
             self.queue += self.ids
         picks, self.queue = self.queue[: self.batch], self.queue[self.batch:]
-        return collate([self.sequences[i] for i in picks], [self.data["features"][i] for i in picks],
-                       [self.data["labels"][i] for i in picks], [self.prompt_lengths[i] for i in picks],
-                       self.vocab_index, self.max_len)
+        return collate(self.sequences, self.data, picks, self.vocab_index, self.max_len)
 
 
-def collate(seqs, feats, labels, prompt_lengths, vocab_index, max_len):
-    """Padded tensors of a batch; next-token labels only where the target answers (from the last prompt
-    token on): what a draft is asked to predict when it decodes."""
-    T = min(max_len, max(len(s) for s in seqs))
-    E = feats[0].shape[1]
-    ids = torch.zeros(len(seqs), T, dtype=torch.int64)  # [B, T]
-    f = torch.zeros(len(seqs), T, E)  # [B, T, E]
-    y = torch.full((len(seqs), T), -100, dtype=torch.int64)  # [B, T]
-    valid = torch.zeros(len(seqs), T, dtype=torch.bool)  # [B, T] positions that exist
-    for row, (s, h, lab) in enumerate(zip(seqs, feats, labels)):
-        n = min(T, len(s))
-        ids[row, :n] = torch.tensor(s[:n])
-        f[row, :n] = h[:n]
-        y[row, :n] = vocab_index[lab[:n]]
-        y[row, : max(0, prompt_lengths[row] - 1)] = -100
+def collate(sequences, data, picks, vocab_index, max_len):
+    """Padded tensors of the sequences `picks` (with data's features, labels and prompt lengths); next-token
+    labels only where the target answers (from the last prompt token on): what a draft is asked to predict
+    when it decodes."""
+    T = min(max_len, max(len(sequences[i]) for i in picks))
+    E = data["features"][picks[0]].shape[1]
+    ids = torch.zeros(len(picks), T, dtype=torch.int64)  # [B, T]
+    f = torch.zeros(len(picks), T, E)  # [B, T, E]
+    y = torch.full((len(picks), T), -100, dtype=torch.int64)  # [B, T]
+    valid = torch.zeros(len(picks), T, dtype=torch.bool)  # [B, T] positions that exist
+    for row, i in enumerate(picks):
+        n = min(T, len(sequences[i]))
+        ids[row, :n] = torch.tensor(sequences[i][:n])
+        f[row, :n] = data["features"][i][:n]
+        y[row, :n] = vocab_index[data["labels"][i][:n]]
+        y[row, : max(0, data["prompt_lengths"][i] - 1)] = -100
         valid[row, :n] = True
     return ids, f, y, valid
 
@@ -171,10 +165,7 @@ def validation(draft, sequences, data, val_ids, vocab_index, scale, unroll) -> d
     loss_fn = make_loss(scale, unroll, 0.0, 1.0, stats)
     losses = []
     for j in range(0, len(val_ids), 8):
-        picks = val_ids[j: j + 8]
-        batch = collate([sequences[i] for i in picks], [data["features"][i] for i in picks],
-                        [data["labels"][i] for i in picks], [data["prompt_lengths"][i] for i in picks],
-                        vocab_index, 10**9)
+        batch = collate(sequences, data, val_ids[j: j + 8], vocab_index, 10**9)
         losses.append(loss_fn(draft, batch).item())
     return {"loss": sum(losses) / len(losses), **{k: sum(v) / len(v) for k, v in stats.items()}}
 
