@@ -55,3 +55,33 @@ def test_held_out_check_and_question_cleaning():
     assert clean_question("Sure") is None
     asks = question_requests(5, seed=0)
     assert len(set(asks)) == 5 and asks == question_requests(5, seed=0) != question_requests(5, seed=1)
+
+
+def test_data_rounds_are_cached_per_round_and_a_repeated_question_is_kept_once(tmp_path, monkeypatch):
+    """Round r is self_data with seed --seed + r, its features computed once and cached beside it; a question
+    an earlier round asked is dropped with its sequence and features (the held-out split stays clean)."""
+    rounds = {0: ["q a", "q b"], 1: ["q b", "q c"]}  # round 1 repeats "q b"
+
+    def fake_text(target, cfg, cache, log):
+        qs = rounds[cfg.seed]
+        return {"questions": qs, "sequences": [[ord(q[-1]), 1, 2] for q in qs], "prompt_lengths": [1] * len(qs),
+                "seconds": 10.0, "key": {"seed": cfg.seed}}
+
+    calls = []
+
+    def fake_features(target, sequences):
+        calls.append(len(sequences))
+        return {"features": [torch.full((3, 2), float(s[0])) for s in sequences],
+                "labels": [torch.tensor(s) for s in sequences]}
+
+    monkeypatch.setattr(fd.self_data, "load_or_generate", fake_text)
+    monkeypatch.setattr(fd, "target_features", fake_features)
+    args = fd.build_parser().parse_args(["--target", "t.gguf", "--cache", str(tmp_path), "--data-rounds", "2"])
+    text, data, seconds_text, _ = fd.training_text(None, args)
+    assert text["questions"] == ["q a", "q b", "q c"] and calls == [2, 2]
+    assert [s[0] for s in text["sequences"]] == [ord("a"), ord("b"), ord("c")]
+    assert [float(f[0, 0]) for f in data["features"]] == [ord("a"), ord("b"), ord("c")]  # rows stay aligned
+    assert data["prompt_lengths"] == [1, 1, 1] and seconds_text == 20.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["features_seed0.pt", "features_seed1.pt"]
+    fd.training_text(None, args)
+    assert calls == [2, 2]  # the second time every round's features come from the cache

@@ -28,18 +28,20 @@ def heldout_eval(target, draft, windows: list[np.ndarray]) -> dict:
             "top1_agreement": agree / count, "tokens": count, "windows": len(windows)}
 
 
-def speculative_acceptance(target_dir, draft_dir, prompt_ids: list[list[int]], k: int, new_tokens: int):
-    """Greedy speculative decoding (eqspec, batch 1, fixed k, EOS ignored, float32) of every prompt in specdec's
-    runtime, against its AR decoding: acceptance overall and by draft position (from each request's
+def speculative_acceptance(target_dir, draft_dir, prompt_ids: list[list[int]], k: int, new_tokens: int,
+                           batch_size: int = 1):
+    """Greedy speculative decoding (eqspec, fixed k, EOS ignored, float32) of every prompt in specdec's
+    runtime, `batch_size` rows at a time (a row's acceptance does not depend on the others), against its AR
+    decoding: acceptance overall and by draft position (from each request's
     `accepted_counts`), tokens per verification (target) step, and how many outputs equal AR's. Prompts longer
     than the context leaves are cut to their first tokens. Returns (stats, the prompts as run, the target's greedy
     outputs)."""
     from specdec import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    spec = LLM(str(target_dir), str(draft_dir), method="eqspec", num_speculative_tokens=k, batch_size=1,
+    spec = LLM(str(target_dir), str(draft_dir), method="eqspec", num_speculative_tokens=k, batch_size=batch_size,
                dtype="float32")
-    ar = LLM(spec.target, method="ar", batch_size=1, dtype="float32", tokenizer=spec.tokenizer)
+    ar = LLM(spec.target, method="ar", batch_size=batch_size, dtype="float32", tokenizer=spec.tokenizer)
     limit = spec.max_context - new_tokens - k - 1
     ids = [p[:limit] for p in prompt_ids]
     greedy = [o.token_ids for o in ar.generate(prompt_token_ids=ids, sampling_params=params)]

@@ -3,7 +3,8 @@
     python -m bench.default_pair.feature_draft --target .cache/real_model/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --specbench ../shared/data/spec_bench/question.jsonl
 
-1. self_data.py: the target writes its own questions and answers them greedily (no SpecBench text; cached).
+1. self_data.py: the target writes its own questions and answers them greedily (no SpecBench text), in
+   --data-rounds seeded rounds (each cached with its features; a question asked twice is kept once).
 2. features: one target forward (our runtime's Transformer, float32) over every sequence gives the target's
    last-layer hidden state f_p and greedy next token y_p at every position p (cached).
 3. draft vocabulary (FR-Spec): the most frequent next tokens of the training split, as many as cover
@@ -13,7 +14,7 @@
    (cross-entropy over the draft vocabulary), teacher-forced; then a second pass on its own first-pass outputs
    as features (--unroll 2), what it reads when it drafts past the verified tokens.
 5. save (models/feature_draft.py format, with the target's fingerprint), then evaluate the saved draft with
-   evaluate.py's `speculative_acceptance` (specdec.LLM, greedy, batch 1, k = 5) on held-out self-written
+   evaluate.py's `speculative_acceptance` (specdec.LLM, greedy, 8 rows at a time, k = 5) on held-out self-written
    questions and on SpecBench questions (chat-templated, never trained on); results JSON with the curve.
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "specdec/assets/drafts/smollm2-135m-instruct"
 CACHE = REPO / ".cache/feature_draft"
 VAL_EVERY = 20  # every 20th sequence is held out of training (validation loss, held-out acceptance)
+EVAL_BATCH = 8  # rows of the acceptance evaluation (greedy: each row's acceptance is its own)
 
 
 @torch.no_grad()
@@ -61,6 +63,38 @@ def target_features(target, sequences: list[list[int]], batch: int = 8) -> dict:
         if start // batch % 25 == 0:
             log(f"features: {start + len(idx)}/{len(sequences)} sequences")
     return {"features": feats, "labels": labels}
+
+
+def training_text(target, args) -> tuple[dict, dict, float, float]:
+    """The self-written text of --data-rounds seeded rounds (round r: seed --seed + r), each with its features,
+    both cached per round in --cache; a question an earlier round already asked is dropped. Returns the text
+    ({"questions", "sequences", "prompt_lengths"}), the per-sequence {"features", "labels", "prompt_lengths"}, and
+    the seconds the text and the features took when they were made."""
+    text = {"questions": [], "sequences": [], "prompt_lengths": []}
+    data = {"features": [], "labels": [], "prompt_lengths": text["prompt_lengths"]}
+    seconds_text = seconds_features = 0.0
+    for r in range(args.data_rounds):
+        seed = args.seed + r
+        cfg = self_data.SelfDataConfig(questions=args.questions, answer_tokens=args.answer_tokens, seed=seed)
+        part = self_data.load_or_generate(args.target, cfg, args.cache / f"self_data_seed{seed}.pt", log)
+        cache = args.cache / f"features_seed{seed}.pt"
+        feats = torch.load(cache, weights_only=False) if cache.is_file() else None
+        if feats is None or feats.get("key") != part["key"]:
+            t0 = time.time()
+            feats = target_features(target, part["sequences"]) | {"key": part["key"], "seconds": time.time() - t0}
+            torch.save(feats, cache.with_suffix(".tmp"))
+            cache.with_suffix(".tmp").replace(cache)
+        seconds_text += part["seconds"]
+        seconds_features += feats.get("seconds", 0.0)
+        asked = set(text["questions"])
+        for i, question in enumerate(part["questions"]):
+            if question not in asked:
+                text["questions"].append(question)
+                text["sequences"].append(part["sequences"][i])
+                text["prompt_lengths"].append(part["prompt_lengths"][i])
+                data["features"].append(feats["features"][i])
+                data["labels"].append(feats["labels"][i])
+    return text, data, seconds_text, seconds_features
 
 
 def draft_vocabulary(labels: list[torch.Tensor], coverage: float, vocab_size: int) -> tuple[torch.Tensor, float]:
@@ -237,7 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path, default=REPO / "docs/img/feature-draft-smollm2.png",
                    help="the training curve and acceptance by position (PNG)")
     p.add_argument("--cache", type=Path, default=CACHE, help="cache folder for the self-written data and features")
-    p.add_argument("--questions", type=int, default=self_data.SelfDataConfig.questions, help="questions to ask for")
+    p.add_argument("--questions", type=int, default=self_data.SelfDataConfig.questions,
+                   help="questions to ask for per data round")
+    p.add_argument("--data-rounds", type=int, default=1,
+                   help="rounds of self-written data (round r asks with seed --seed + r; each cached)")
     p.add_argument("--answer-tokens", type=int, default=self_data.SelfDataConfig.answer_tokens,
                    help="greedy answer length")
     p.add_argument("--layers", type=int, default=1, help="draft decoder layers")
@@ -248,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8, help="sequences per training step")
     p.add_argument("--max-len", type=int, default=256, help="training sequences are cut to this many tokens")
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
-    p.add_argument("--unroll", type=int, default=2, help="training passes per step (2: also on its own features)")
+    p.add_argument("--unroll", type=int, default=2,
+                   help="training passes per step (2..: also on its own features, as at draft positions 2..)")
     p.add_argument("--noise", type=float, default=0.05, help="Gaussian noise on the input features (x their std)")
     p.add_argument("--specbench", type=Path, help="SpecBench question.jsonl: evaluate on its questions (held out)")
     p.add_argument("--eval-prompts", type=int, default=40, help="prompts per acceptance evaluation")
@@ -264,21 +302,11 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     t_start, times = time.time(), {}
 
-    cfg = self_data.SelfDataConfig(questions=args.questions, answer_tokens=args.answer_tokens, seed=args.seed)
-    data_text = self_data.load_or_generate(args.target, cfg, args.cache / "self_data.pt", log)
-    times["self_data"] = data_text["seconds"]
-    sequences = data_text["sequences"]
     target = load_model(args.target, dtype="float32")
-    feature_cache = args.cache / "features.pt"
-    t0 = time.time()
-    data = torch.load(feature_cache, weights_only=False) if feature_cache.is_file() else None
-    if data is None or data.get("key") != data_text["key"]:
-        data = target_features(target, sequences) | {"key": data_text["key"]}
-        torch.save(data, feature_cache)
-    times["features"] = time.time() - t0
+    data_text, data, times["self_data"], times["features"] = training_text(target, args)
+    sequences = data_text["sequences"]
     val_ids = list(range(0, len(sequences), VAL_EVERY))
     train_ids = [i for i in range(len(sequences)) if i % VAL_EVERY]
-    data["prompt_lengths"] = data_text["prompt_lengths"]
     answers = [data["labels"][i][data["prompt_lengths"][i] - 1:] for i in train_ids]  # the next tokens it answers
     vocab, coverage = (draft_vocabulary(answers, args.vocab_coverage, target.vocab_size) if args.vocab_coverage < 1
                        else (torch.arange(target.vocab_size), 1.0))
@@ -316,7 +344,8 @@ def main(argv=None) -> dict:
 
     tokenizer = load_tokenizer(args.target)
     held = [sequences[i][: data_text["prompt_lengths"][i]] for i in val_ids][: args.eval_prompts]
-    evaluation = {"held_out_questions": speculative_acceptance(args.target, args.out, held, args.eval_k, 64)[0]}
+    evaluation = {"held_out_questions": speculative_acceptance(args.target, args.out, held, args.eval_k, 64,
+                                                               EVAL_BATCH)[0]}
     if args.specbench:
         from specdec.prompts import read_prompts
 
@@ -324,7 +353,8 @@ def main(argv=None) -> dict:
         log(f"held-out check: {overlap} of {len(data_text['questions'])} training questions share 8 words in a row "
             f"with a SpecBench question")
         bench_ids = specbench_chat_ids(tokenizer, args.specbench, args.eval_prompts)
-        evaluation["specbench"] = speculative_acceptance(args.target, args.out, bench_ids, args.eval_k, 64)[0]
+        evaluation["specbench"] = speculative_acceptance(args.target, args.out, bench_ids, args.eval_k, 64,
+                                                         EVAL_BATCH)[0]
     times["eval"] = time.time() - t0
     times["total"] = time.time() - t_start
     for name, ev in evaluation.items():

@@ -41,10 +41,10 @@ QUESTION_REQUEST = ("Write one {category} question or task that a user might ask
 
 @dataclass(frozen=True)
 class SelfDataConfig:
-    questions: int = 1600
+    questions: int = 1200
     question_tokens: int = 48
     question_temperature: float = 0.9
-    answer_tokens: int = 160
+    answer_tokens: int = 128
     batch_size: int = 64
     seed: int = 0
 
@@ -113,6 +113,7 @@ if __name__ == "__main__":
     ap.add_argument("--questions", type=int, default=SelfDataConfig.questions, help="questions to ask for")
     ap.add_argument("--answer-tokens", type=int, default=SelfDataConfig.answer_tokens, help="greedy answer length")
     ap.add_argument("--batch-size", type=int, default=SelfDataConfig.batch_size, help="engine rows")
+    ap.add_argument("--seed", type=int, default=SelfDataConfig.seed, help="seed of the question order and sampling")
     a = ap.parse_args()
     load_or_generate(a.target, SelfDataConfig(questions=a.questions, answer_tokens=a.answer_tokens,
-                                              batch_size=a.batch_size), a.cache)
+                                              batch_size=a.batch_size, seed=a.seed), a.cache)
