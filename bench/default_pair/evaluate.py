@@ -32,10 +32,9 @@ def speculative_acceptance(target_dir, draft_dir, prompt_ids: list[list[int]], k
                            batch_size: int = 1):
     """Greedy speculative decoding (eqspec, fixed k, EOS ignored, float32) of every prompt in specdec's
     runtime, `batch_size` rows at a time (a row's acceptance does not depend on the others), against its AR
-    decoding: acceptance overall and by draft position (from each request's
-    `accepted_counts`), tokens per verification (target) step, and how many outputs equal AR's. Prompts longer
-    than the context leaves are cut to their first tokens. Returns (stats, the prompts as run, the target's greedy
-    outputs)."""
+    decoding: acceptance overall and by draft position (from each request's `accepted_counts`), tokens per
+    verification (target) step, and how many outputs equal AR's. Prompts longer than the context leaves are cut
+    to their first tokens. Returns (stats, the prompts as run, the target's greedy outputs)."""
     from specdec import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)

@@ -77,13 +77,12 @@ def training_text(target, args) -> tuple[dict, dict, float, float]:
         seed = args.seed + r
         cfg = self_data.SelfDataConfig(questions=args.questions, answer_tokens=args.answer_tokens, seed=seed)
         part = self_data.load_or_generate(args.target, cfg, args.cache / f"self_data_seed{seed}.pt", log)
-        cache = args.cache / f"features_seed{seed}.pt"
-        feats = torch.load(cache, weights_only=False) if cache.is_file() else None
-        if feats is None or feats.get("key") != part["key"]:
+        def timed_features():
             t0 = time.time()
-            feats = target_features(target, part["sequences"]) | {"key": part["key"], "seconds": time.time() - t0}
-            torch.save(feats, cache.with_suffix(".tmp"))
-            cache.with_suffix(".tmp").replace(cache)
+            return target_features(target, part["sequences"]) | {"seconds": time.time() - t0}
+
+        feats = self_data.keyed_cache(args.cache / f"features_seed{seed}.pt", part["key"], timed_features,
+                                      "features", log)
         seconds_text += part["seconds"]
         seconds_features += feats.get("seconds", 0.0)
         asked = set(text["questions"])

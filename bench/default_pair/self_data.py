@@ -89,19 +89,25 @@ def generate(target: Path, cfg: SelfDataConfig, log=print) -> dict:
             "seconds": time.time() - t0}
 
 
+def keyed_cache(path: Path, key: dict, make, what: str, log=print) -> dict:
+    """What `path` holds when it was made with `key`; otherwise `make()` with the key added, saved to `path`
+    atomically (a temporary file renamed into place) and returned."""
+    if path.is_file():
+        saved = torch.load(path, weights_only=False)
+        if saved.get("key") == key:
+            log(f"{what}: loaded {path}")
+            return saved
+        log(f"{what}: {path} was made with other settings; making it again")
+    data = make() | {"key": key}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(data, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
+    return data
+
+
 def load_or_generate(target: Path, cfg: SelfDataConfig, cache: Path, log=print) -> dict:
     key = {"target_sha256": file_sha256(str(target), 64), **asdict(cfg)}
-    if cache.is_file():
-        saved = torch.load(cache, weights_only=False)
-        if saved.get("key") == key:
-            log(f"self-data: loaded {len(saved['sequences'])} sequences from {cache}")
-            return saved
-        log(f"self-data: {cache} was made with other settings; generating again")
-    data = generate(target, cfg, log) | {"key": key}
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(data, cache.with_suffix(".tmp"))
-    cache.with_suffix(".tmp").replace(cache)
-    return data
+    return keyed_cache(cache, key, lambda: generate(target, cfg, log), "self-data", log)
 
 
 if __name__ == "__main__":
