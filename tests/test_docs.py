@@ -1,11 +1,14 @@
 """The docs say what the code does: every command-line flag they name exists in some CLI's --help, every
-`LLM(...)` argument of docs/api.md's table exists (and every argument is in the table), and every
-`EngineOptions` field they name exists. Cheap checks, run in the fast lane."""
+command they show (`python -m bench.peers ...`, `python -m specdec.run ...`, benchmarks.md's included) uses only
+flags of that very program, every `LLM(...)` argument of docs/api.md's table exists (and every argument is in
+the table), and every `EngineOptions` field they name exists. Cheap checks, run in the fast lane."""
 import argparse
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,9 @@ OTHER_TOOLS = {
     "--no-deps",  # pip download
 }
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]+(?:-[a-z0-9]+)*(?![\w-])")
+# a command the docs show: `python -m bench.peers ...` or `python bench/loader_memory.py ...`, up to the end of its
+# line (continuation lines joined), a closing backtick, a shell separator or a comment
+COMMAND = re.compile(r"python (?:-m )?((?:bench|specdec)[./][\w./]*)([^`\n;|#&]*)")
 
 
 def our_flags() -> set[str]:
@@ -88,3 +94,92 @@ def test_engine_options_named_in_docs_exist(doc):
     fields = {f.name for f in dataclasses.fields(EngineOptions)}
     named = set(re.findall(r"EngineOptions\.(\w+)", path.read_text(encoding="utf-8")))
     assert named <= fields, f"{doc} names EngineOptions fields that do not exist: {named - fields}"
+
+
+class _Parsed(Exception):
+    """Raised by a patched `parse_known_args`: carries the parser a program built."""
+
+    def __init__(self, parser):
+        super().__init__()
+        self.parser = parser
+
+
+def program_flags(module: str) -> set[str]:
+    """Every option string of the parser `python -m module` builds: its `build_parser()`, else the parser its
+    `parse_args()` / `main()` builds before parsing (caught at the parse, so nothing runs)."""
+    mod = importlib.import_module(module)
+    if not hasattr(mod, "build_parser") and not hasattr(mod, "main"):
+        mod = importlib.import_module(module + ".__main__")  # a package: python -m runs its __main__
+    if hasattr(mod, "build_parser"):
+        parser = mod.build_parser()
+    else:
+        def caught(self, *args, **kwargs):
+            raise _Parsed(self)
+
+        patched, argv = argparse.ArgumentParser.parse_known_args, sys.argv
+        argparse.ArgumentParser.parse_known_args, sys.argv = caught, [module]
+        try:
+            (getattr(mod, "parse_args", None) or mod.main)()
+            raise AssertionError(f"{module}: no argument parser was built")
+        except _Parsed as parsed:
+            parser = parsed.parser
+        finally:
+            argparse.ArgumentParser.parse_known_args, sys.argv = patched, argv
+    return {option for action in parser._actions for option in action.option_strings} | {
+        "--no-" + a.option_strings[-1][2:] for a in parser._actions if isinstance(a, argparse.BooleanOptionalAction)}
+
+
+def doc_commands(text: str) -> list[tuple[str, str]]:
+    """(module, the rest of the command line) of every command in a doc; `bench.NAME` placeholders skipped."""
+    text = re.sub(r"\\\n\s*", " ", text)  # continuation lines
+    return [(m.group(1).removesuffix(".py").replace("/", "."), m.group(2)) for m in COMMAND.finditer(text)
+            if "NAME" not in m.group(1)]
+
+
+def test_doc_commands_are_found():
+    """The extraction itself: a shown command with a continuation line, a comment and a chained second command."""
+    text = ("`python -m bench.peers --threads 1 \\\n    --repeats 3  # --not-a-flag`\n"
+            "python bench/loader_memory.py --gguf F; python -m specdec.run --chat\npython -m bench.NAME --help")
+    assert doc_commands(text) == [("bench.peers", " --threads 1  --repeats 3  "),
+                                  ("bench.loader_memory", " --gguf F"), ("specdec.run", " --chat")]
+
+
+@pytest.mark.parametrize("doc", DOCS + ["docs/benchmarks.md"])
+def test_every_command_in_the_docs_uses_its_programs_flags(doc):
+    """A benchmark's command in the docs must still run as shown: each flag belongs to that program (a flag
+    renamed or dropped since the run makes this fail). benchmarks-history.md keeps old commands word for word."""
+    path = ROOT / doc
+    if not path.exists():
+        pytest.skip(f"{doc} does not exist")
+    stale, flags = [], {}
+    for module, args in doc_commands(path.read_text(encoding="utf-8")):
+        if module.startswith("specdec.serve") and importlib.util.find_spec("fastapi") is None:
+            continue  # the serve extra is not installed here
+        if module not in flags:
+            flags[module] = program_flags(module)
+        stale += [f"{module} {flag}" for flag in FLAG.findall(args) if flag not in flags[module]]
+    assert not stale, f"{doc} shows commands with flags their program does not have: {stale}"
+
+
+def heading_anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_docs_resolves():
+    """Links like [x](#a-section) and [y](benchmarks-history.md#a-run) name a file and a heading that exist (a
+    renamed or moved section breaks this)."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    anchors = {doc.resolve(): {heading_anchor(h) for h in re.findall(r"^#+ (.*)$", doc.read_text(encoding="utf-8"),
+                                                                      re.M)} for doc in docs}
+    broken = []
+    for doc in docs:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", doc.read_text(encoding="utf-8")):
+            if target.startswith(("http://", "https://")):
+                continue
+            path = (doc.parent / target).resolve() if target else doc.resolve()
+            if not path.exists():
+                broken.append(f"{doc.name}: {target} (no such file)")
+            elif anchor and path.suffix == ".md" and anchor not in anchors.get(path, set()):
+                broken.append(f"{doc.name}: {target}#{anchor} (no such heading)")
+    assert not broken, f"links in the docs that lead nowhere: {broken}"

@@ -110,16 +110,21 @@ def load_or_generate(target: Path, cfg: SelfDataConfig, cache: Path, log=print) 
     return keyed_cache(cache, key, lambda: generate(target, cfg, log), "self-data", log)
 
 
-if __name__ == "__main__":
+def main(argv=None) -> None:
     import argparse
 
-    ap = argparse.ArgumentParser(description="Generate (or load) the self-written training text of a chat target.")
+    ap = argparse.ArgumentParser(prog="python -m bench.default_pair.self_data",
+                                 description="Generate (or load) the self-written training text of a chat target.")
     ap.add_argument("--target", type=Path, required=True, help="the target's .gguf or checkpoint directory")
     ap.add_argument("--cache", type=Path, required=True, help="the .pt file the text is cached in")
     ap.add_argument("--questions", type=int, default=SelfDataConfig.questions, help="questions to ask for")
     ap.add_argument("--answer-tokens", type=int, default=SelfDataConfig.answer_tokens, help="greedy answer length")
     ap.add_argument("--batch-size", type=int, default=SelfDataConfig.batch_size, help="engine rows")
     ap.add_argument("--seed", type=int, default=SelfDataConfig.seed, help="seed of the question order and sampling")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     load_or_generate(a.target, SelfDataConfig(questions=a.questions, answer_tokens=a.answer_tokens,
                                               batch_size=a.batch_size, seed=a.seed), a.cache)
+
+
+if __name__ == "__main__":
+    main()
