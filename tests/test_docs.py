@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # the user-facing docs whose flags must exist (benchmarks.md names each bench script's own flags with its command)
 DOCS = ["README.md", "docs/api.md", "docs/design.md", "docs/distributed.md", "docs/serve.md", "docs/exspec.md",
         "docs/default_pair.md", "docs/kernels.md", "docs/feature_draft.md"]
-# parser builders of our command lines: module, function
-CLIS = [("specdec.run", "build_parser"), ("specdec.serve.__main__", "build_parser"), ("specdec.convert", "build_parser"),
-        ("bench.default_pair.__main__", "build_parser"), ("bench.default_pair.feature_draft", "build_parser")]
+# our user-facing command lines (python -m MODULE)
+CLIS = ["specdec.run", "specdec.serve", "specdec.convert", "bench.default_pair", "bench.default_pair.feature_draft"]
+SERVE_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("fastapi", "uvicorn"))  # the serve extra
 # flags of other programs the docs show in their commands
 OTHER_TOOLS = {
     "--head", "--address",  # ray start (docs/distributed.md)
@@ -37,21 +37,7 @@ COMMAND = re.compile(r"python (?:-m )?((?:bench|specdec)[./][\w./]*)([^`\n;|#&]*
 
 
 def our_flags() -> set[str]:
-    flags = set()
-    for module, name in CLIS:
-        try:
-            build = getattr(importlib.import_module(module), name)
-        except ImportError as err:
-            if "fastapi" in str(err) or "uvicorn" in str(err):
-                continue  # the serve extra is not installed here
-            raise
-        parser = build()
-        for action in parser._actions:
-            for option in action.option_strings:
-                flags.add(option)
-                if isinstance(action, argparse.BooleanOptionalAction) and option.startswith("--"):
-                    flags.add("--no-" + option[2:])
-    return flags
+    return set().union(*(program_flags(m) for m in CLIS if SERVE_INSTALLED or not m.startswith("specdec.serve")))
 
 
 def test_every_flag_in_the_docs_exists():
@@ -125,8 +111,7 @@ def program_flags(module: str) -> set[str]:
             parser = parsed.parser
         finally:
             argparse.ArgumentParser.parse_known_args, sys.argv = patched, argv
-    return {option for action in parser._actions for option in action.option_strings} | {
-        "--no-" + a.option_strings[-1][2:] for a in parser._actions if isinstance(a, argparse.BooleanOptionalAction)}
+    return {option for action in parser._actions for option in action.option_strings}  # --x and --no-x alike
 
 
 def doc_commands(text: str) -> list[tuple[str, str]]:
@@ -153,8 +138,8 @@ def test_every_command_in_the_docs_uses_its_programs_flags(doc):
         pytest.skip(f"{doc} does not exist")
     stale, flags = [], {}
     for module, args in doc_commands(path.read_text(encoding="utf-8")):
-        if module.startswith("specdec.serve") and importlib.util.find_spec("fastapi") is None:
-            continue  # the serve extra is not installed here
+        if module.startswith("specdec.serve") and not SERVE_INSTALLED:
+            continue
         if module not in flags:
             flags[module] = program_flags(module)
         stale += [f"{module} {flag}" for flag in FLAG.findall(args) if flag not in flags[module]]

@@ -77,6 +77,7 @@ def training_text(target, args) -> tuple[dict, dict, float, float]:
         seed = args.seed + r
         cfg = self_data.SelfDataConfig(questions=args.questions, answer_tokens=args.answer_tokens, seed=seed)
         part = self_data.load_or_generate(args.target, cfg, args.cache / f"self_data_seed{seed}.pt", log)
+
         def timed_features():
             t0 = time.time()
             return target_features(target, part["sequences"]) | {"seconds": time.time() - t0}
