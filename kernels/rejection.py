@@ -9,8 +9,10 @@ Per row i with drafts d_1..d_k:
   unnecessary: the sample is the argmax of residual / Exp(1) noise, an exponential race); when all k are
   accepted emit the bonus, a sample of the target's p_k by the same race.
 
-A row whose draft distribution is unusable (`draft_ok[i]` False: non-finite draft logits) accepts no
-draft and emits a sample of the target's own p_0 (q taken as 0), so the output distribution is the
+A row offers `draft_len[i]` <= k drafts (a proposer may have fewer than k for it; 0 when its draft
+distribution is unusable, e.g. non-finite draft logits): drafts past its length are never accepted, and a
+row that accepts all of its own emits the bonus there, a sample of the target's p (q taken as 0). So a
+row of length L emits exactly what it would in a step of k = L, and the output distribution is the
 target's whatever the draft produced.
 
 Outputs `[B, k+1]` token ids with -1 placeholders after the emitted token, and `[B]` accepted counts.
@@ -40,27 +42,33 @@ def leading_run(accepted) -> torch.Tensor:
     return torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1)
 
 
-def random_slot(draft_ids, target_probs, draft_probs, uniforms, draft_ok) -> torch.Tensor:
+def within(draft_len, k: int) -> torch.Tensor:
+    """[B, k] bool: the drafts each row offers (the first draft_len[i] of its k)."""
+    return torch.arange(k, device=draft_len.device)[None, :] < draft_len[:, None]
+
+
+def random_slot(draft_ids, target_probs, draft_probs, uniforms, draft_len) -> torch.Tensor:
     """[B] int64: the slot a random row emits at (its accepted drafts), as `rejection_sample` will find it:
     for a caller whose residual noise depends on that slot (noise keyed by position, specdec/sampling.py)."""
-    return leading_run(random_accepts(draft_ids, target_probs, draft_probs, uniforms) & draft_ok[:, None])
+    k = draft_ids.shape[1]
+    return leading_run(random_accepts(draft_ids, target_probs, draft_probs, uniforms) & within(draft_len, k))
 
 
 def rejection_sample_reference(draft_ids, target_argmax, target_probs, draft_probs, is_greedy, uniforms, noise,
-                               draft_ok=None):
+                               draft_len=None):
     """Torch reference; see `rejection_sample` for shapes. Returns (output [B, k+1], num_accepted [B])."""
     B, k = draft_ids.shape
     device = draft_ids.device
     j = torch.arange(k + 1, device=device)  # [k+1]
-    if draft_ok is None:
-        draft_ok = torch.ones(B, dtype=torch.bool, device=device)
+    if draft_len is None:
+        draft_len = torch.full((B,), k, dtype=torch.int64, device=device)
     accepted = torch.zeros(B, k, dtype=torch.bool, device=device)  # [B, k]
     if target_argmax is not None:
         accepted = torch.where(is_greedy[:, None], draft_ids == target_argmax[:, :k], accepted)
     if target_probs is not None:
         accepted_random = random_accepts(draft_ids, target_probs, draft_probs, uniforms)  # [B, k]
         accepted = torch.where(is_greedy[:, None], accepted, accepted_random)
-    accepted &= draft_ok[:, None]
+    accepted &= within(draft_len, k)
     num_accepted = leading_run(accepted)  # [B]
 
     next_token = torch.zeros(B, dtype=torch.int64, device=device)  # [B]
@@ -70,7 +78,7 @@ def rejection_sample_reference(draft_ids, target_argmax, target_probs, draft_pro
     if target_probs is not None:
         p_at = target_probs[rows, num_accepted].double()  # [B, V] target at the emitted slot
         clipped = num_accepted.clamp(max=k - 1)
-        use_q = (num_accepted < k) & draft_ok  # [B] bonus rows and rows with an unusable draft: q = 0
+        use_q = num_accepted < draft_len  # [B] a rejection; the row's bonus (all its drafts accepted): q = 0
         q_at = torch.where(use_q[:, None], draft_probs[rows, clipped].double(), torch.zeros_like(p_at))
         residual = (p_at - q_at).clamp(min=0)  # [B, V]; bonus rows: q = 0, so residual = p
         empty = residual.sum(dim=1, keepdim=True) <= 0
@@ -84,7 +92,7 @@ def rejection_sample_reference(draft_ids, target_argmax, target_probs, draft_pro
 
 
 def rejection_sample(draft_ids, target_argmax=None, target_probs=None, draft_probs=None, is_greedy=None,
-                     uniforms=None, noise=None, backend: str | None = None, draft_ok=None,
+                     uniforms=None, noise=None, backend: str | None = None, draft_len=None,
                      any_greedy: bool | None = None, all_greedy: bool | None = None):
     """Validate and dispatch.
 
@@ -95,7 +103,7 @@ def rejection_sample(draft_ids, target_argmax=None, target_probs=None, draft_pro
     is_greedy:     [B] bool
     uniforms:      [B, k] float64 in [0, 1), acceptance draws of sampling rows
     noise:         [B, V] float32/64 Exp(1) draws for the residual/bonus race of sampling rows
-    draft_ok:      [B] bool, False where the draft's distribution is unusable (None: all usable)
+    draft_len:     [B] int64 in 0..k, the drafts each row offers (None: all k; 0: none usable)
     any_greedy, all_greedy: what the caller knows of is_greedy on the host (None: read from the device)
     """
     B, k = draft_ids.shape
@@ -103,8 +111,8 @@ def rejection_sample(draft_ids, target_argmax=None, target_probs=None, draft_pro
     if is_greedy is None:
         is_greedy = torch.full((B,), target_probs is None, dtype=torch.bool, device=draft_ids.device)
     check(is_greedy.shape == (B,) and is_greedy.dtype == torch.bool, "rejection_sample: is_greedy must be [B] bool")
-    check(draft_ok is None or (draft_ok.shape == (B,) and draft_ok.dtype == torch.bool),
-          "rejection_sample: draft_ok must be [B] bool")
+    check(draft_len is None or (draft_len.shape == (B,) and draft_len.dtype == torch.int64),
+          "rejection_sample: draft_len must be [B] int64")
     if any_greedy is None:
         any_greedy = bool(is_greedy.any())
     if all_greedy is None:
@@ -129,9 +137,9 @@ def rejection_sample(draft_ids, target_argmax=None, target_probs=None, draft_pro
         check(all_greedy, "rejection_sample: sampling rows need target_probs")
     if choose_backend(draft_ids, backend) == "triton":
         return rejection_sample_triton(draft_ids, target_argmax, target_probs, draft_probs, is_greedy, uniforms, noise,
-                                       draft_ok)
+                                       draft_len)
     return rejection_sample_reference(draft_ids, target_argmax, target_probs, draft_probs, is_greedy, uniforms, noise,
-                                      draft_ok)
+                                      draft_len)
 
 
 @lazy_jit
@@ -186,7 +194,7 @@ def _rejection_kernel(
     target_probs_ptr,  # [B, k+1, V] float (unused unless HAS_PROBS)
     draft_probs_ptr,  # [B, k, V] float (unused unless HAS_PROBS)
     is_greedy_ptr,  # [B] uint8 (a view of the bool tensor)
-    draft_ok_ptr,  # [B] uint8 (a view of the bool tensor): 0 = reject every draft, q = 0
+    draft_len_ptr,  # [B] int64: the drafts the row offers (past them: never accepted, q = 0)
     uniforms_ptr,  # [B, k] float64
     noise_ptr,  # [B, V] float32/float64
     s_out_b, s_out_j,
@@ -194,7 +202,7 @@ def _rejection_kernel(
     s_a_b, s_a_j,
     s_p_b, s_p_j, s_p_v,
     s_q_b, s_q_j, s_q_v,
-    s_g, s_ok,
+    s_g, s_len,
     s_u_b, s_u_j,
     s_z_b, s_z_v,
     K, V,
@@ -223,8 +231,8 @@ def _rejection_kernel(
         acc_random = (u * q.to(tl.float64) <= p.to(tl.float64)) & valid  # float64, as the reference
     else:
         acc_random = j < 0
-    ok = tl.load(draft_ok_ptr + row * s_ok) != 0
-    accepted = tl.where(greedy, acc_greedy, acc_random) & jm & ok
+    length = tl.load(draft_len_ptr + row * s_len)
+    accepted = tl.where(greedy, acc_greedy, acc_random) & jm & (j < length)
     n = tl.min(tl.where(accepted | (j >= K), K, j), axis=0)  # first rejection, or K: the leading run
 
     token = tl.full([], 0, tl.int64)
@@ -235,7 +243,7 @@ def _rejection_kernel(
             p_row = target_probs_ptr + row * s_p_b + n * s_p_j
             q_row = draft_probs_ptr + row * s_q_b + tl.minimum(n, K - 1) * s_q_j
             z_row = noise_ptr + row * s_z_b
-            q_len = tl.where((n < K) & ok, V, 0)
+            q_len = tl.where(n < length, V, 0)
             token, nonempty = _race(p_row, q_row, z_row, s_p_v, s_q_v, s_z_v, q_len, V, True, BLOCK_V)
             if nonempty == 0:  # max(p - q, 0) is all zero: sample p itself (the reference's fallback)
                 token, nonempty = _race(p_row, q_row, z_row, s_p_v, s_q_v, s_z_v, q_len, V, False, BLOCK_V)
@@ -246,7 +254,7 @@ def _rejection_kernel(
 
 
 def rejection_sample_triton(draft_ids, target_argmax, target_probs, draft_probs, is_greedy, uniforms, noise,
-                            draft_ok=None):
+                            draft_len=None):
     """Launch `_rejection_kernel` with grid (B,); same outputs as `rejection_sample_reference`."""
     B, k = draft_ids.shape
     device = draft_ids.device
@@ -256,9 +264,8 @@ def rejection_sample_triton(draft_ids, target_argmax, target_probs, draft_probs,
         return output, num_accepted
     has_argmax, has_probs = target_argmax is not None, target_probs is not None
     greedy_u8 = is_greedy.view(torch.uint8)
-    if draft_ok is None:
-        draft_ok = torch.ones(B, dtype=torch.bool, device=device)
-    ok_u8 = draft_ok.view(torch.uint8)
+    if draft_len is None:
+        draft_len = torch.full((B,), k, dtype=torch.int64, device=device)
     a = target_argmax if has_argmax else draft_ids
     p = target_probs if has_probs else draft_ids[:, :, None]
     q = draft_probs if has_probs else draft_ids[:, :, None]
@@ -266,13 +273,13 @@ def rejection_sample_triton(draft_ids, target_argmax, target_probs, draft_probs,
     z = noise if has_probs else draft_ids
     V = target_probs.shape[-1] if has_probs else 1
     _rejection_kernel[(B,)](
-        output, num_accepted, draft_ids, a, p, q, greedy_u8, ok_u8, u, z,
+        output, num_accepted, draft_ids, a, p, q, greedy_u8, draft_len, u, z,
         output.stride(0), output.stride(1),
         draft_ids.stride(0), draft_ids.stride(1),
         a.stride(0), a.stride(1),
         p.stride(0), p.stride(1), p.stride(2),
         q.stride(0), q.stride(1), q.stride(2),
-        greedy_u8.stride(0), ok_u8.stride(0),
+        greedy_u8.stride(0), draft_len.stride(0),
         u.stride(0), u.stride(1),
         z.stride(0), z.stride(1),
         k, V,

@@ -77,7 +77,8 @@ class CostTable:
         return self._interpolate(self.target, m)
 
     def draft_time(self, m: int) -> float:
-        return self._interpolate(self.draft, m)
+        """0 for a proposer without a model (an empty draft table): its proposal costs no forward."""
+        return self._interpolate(self.draft, m) if self.draft else 0.0
 
     def forwards_time(self, B: int, k: int, first_draft_tokens: int = 2) -> float:
         """Time of the forwards of one step: k drafts (the first feeding `first_draft_tokens` per row)."""
@@ -117,6 +118,8 @@ def calibrate(target, draft, batch_size: int, k_max: int, context: int, vocab: i
     each model). Three repeats per shape, one if the forwards are slow. Warm-ups do not count against the
     budget: with compile=True the first forward of a new shape compiles, which is not what a step costs."""
     t_grid, d_grid = grid(batch_size, k_max, context)
+    if draft is None:  # a proposer without a model: its drafts cost no forward (an empty draft table)
+        d_grid = []
     tables: dict[str, dict[int, float]] = {"target": {}, "draft": {}}
     start, excluded = time.perf_counter(), 0.0
     plan = [("target", target, s, "all") for s in t_grid[:2]] + [("draft", draft, s, "last") for s in d_grid[:3]]
@@ -140,6 +143,8 @@ def agrees(table: CostTable, target, draft, batch_size: int, context: int, vocab
     `factor` of what the table predicts: the check a cached table passes before it is used."""
     for model, predicted, logits in ((target, table.target_time(batch_size), "all"),
                                      (draft, table.draft_time(batch_size), "last")):
+        if model is None:
+            continue
         measured, _ = time_forward(model, batch_size, 1, context, vocab, 3, logits)
         if not predicted / factor <= measured <= predicted * factor:
             return False
@@ -282,25 +287,36 @@ class KChooser:
         return 1.0
 
     @staticmethod
-    def expected_tokens(alphas: list[float], k: int) -> float:
-        return sum((1 - a ** (k + 1)) / (1 - a) for a in alphas)
+    def expected_tokens(alphas: list[float], k: int, offers: list[int] | None = None) -> float:
+        """Expected tokens of a step of k: 1 + alpha + .. + alpha^k per row, or up to the row's offer
+        (`offers`: drafts each row has, for proposers that may have fewer than k)."""
+        if offers is None:
+            return sum((1 - a ** (k + 1)) / (1 - a) for a in alphas)
+        return sum((1 - a ** (min(k, o) + 1)) / (1 - a) for a, o in zip(alphas, offers))
 
-    def rates(self, alphas: list[float], B: int, first_draft_tokens: int = 2) -> list[float]:
+    @staticmethod
+    def verify_k(k: int, offers: list[int] | None) -> int:
+        """The verify width a step of k has: k, or the longest offer if shorter."""
+        return k if offers is None else min(k, max(offers, default=0))
+
+    def rates(self, alphas: list[float], B: int, first_draft_tokens: int = 2, offers=None) -> list[float]:
         """Expected tokens per second of every k in 0..k_max."""
-        return [self.expected_tokens(alphas, k) / self.step_time(B, k, first_draft_tokens) for k in range(self.k_max + 1)]
+        return [self.expected_tokens(alphas, k, offers) / self.step_time(B, self.verify_k(k, offers), first_draft_tokens)
+                for k in range(self.k_max + 1)]
 
-    def best_k(self, alphas: list[float], B: int, first_draft_tokens: int = 2, least: int = 0) -> int:
+    def best_k(self, alphas: list[float], B: int, first_draft_tokens: int = 2, least: int = 0, offers=None) -> int:
         """The k >= least with the highest expected tokens per second (ties: the smaller k)."""
-        rates = self.rates(alphas, B, first_draft_tokens)
+        rates = self.rates(alphas, B, first_draft_tokens, offers)
         return max(range(least, self.k_max + 1), key=lambda k: (rates[k], -k))
 
-    def pays_back(self, alphas: list[float], B: int, k: int, first_draft_tokens: int, tokens: int) -> bool:
+    def pays_back(self, alphas: list[float], B: int, k: int, first_draft_tokens: int, tokens: int, offers=None) -> bool:
         """Whether drafting at k (steady state) produces `tokens` tokens sooner than k = 0 by more than the
         one-off cost of catching the draft up on `first_draft_tokens` per row, if `alphas` are the rows'
         acceptances."""
         rate_0 = self.expected_tokens(alphas, 0) / self.step_time(B, 0)
-        rate_k = self.expected_tokens(alphas, k) / self.step_time(B, k)
-        catch_up = self.costs.forwards_time(B, k, first_draft_tokens) - self.costs.forwards_time(B, k)
+        width = self.verify_k(k, offers)
+        rate_k = self.expected_tokens(alphas, k, offers) / self.step_time(B, width)
+        catch_up = self.costs.forwards_time(B, width, first_draft_tokens) - self.costs.forwards_time(B, width)
         if catch_up <= 0:
             return rate_k > rate_0
         return tokens / rate_0 - tokens / rate_k > catch_up
@@ -311,24 +327,31 @@ class KChooser:
         return self.last[1] > 0
 
     # ------------------------------------------------------------------------------------- choice
-    def choose(self, batch) -> int:
+    def choose(self, batch, offers: list[int] | None = None) -> int:
+        """k for the next step of `batch`; `offers`: the drafts each row has (a lookup proposer), None
+        when every row can offer k (a draft model)."""
         B = len(batch)
-        first = batch.draft_lag()[0]  # the next draft forward's length
+        if offers is not None and not any(offers):
+            self.last = (B, 0, 2, self.step_time(B, 0))
+            return 0  # nothing on offer: nothing to weigh (the exploration streak is not advanced either)
+        # the next draft forward's length (a proposer without a model has no draft cache: no catch-up)
+        first = batch.draft_lag()[0] if batch.draft_cache is not None else 2
         alphas = [self.alpha(r) for r in batch.requests]
         left = sum(max(r.params.max_tokens - len(r.output_ids), 1) for r in batch.requests)  # at most
-        k = self.best_k(alphas, B)  # at steady state: a catch-up is paid once, weighed next
-        if k and first > 2 and not self.pays_back(alphas, B, k, first, left):
+        k = self.best_k(alphas, B, offers=offers)  # at steady state: a catch-up is paid once, weighed next
+        if k and first > 2 and not self.pays_back(alphas, B, k, first, left, offers):
             k = 0
         if k == 0:
             self.zero_streak += 1
             if self.offered < 4 * self.k_max or self.zero_streak >= self.explore_every:  # measure acceptance first,
                 # then refresh the estimates now and then; only where a good draft could pay for it
                 hopeful = [max(a, EXPLORE_ACCEPTANCE) for a in alphas]
-                if self.pays_back(hopeful, B, self.best_k(hopeful, B, least=1), first, left):
-                    k = self.best_k(alphas, B, least=1)
+                if self.pays_back(hopeful, B, self.best_k(hopeful, B, least=1, offers=offers), first, left, offers):
+                    k = self.best_k(alphas, B, least=1, offers=offers)
         if k:
             self.zero_streak = 0
-        self.last = (B, k, first, self.step_time(B, k, first))
+        width = self.verify_k(k, offers)
+        self.last = (B, width, first, self.step_time(B, width, first))
         return k
 
     def observe(self, seconds: float) -> float:
@@ -340,9 +363,10 @@ class KChooser:
         self.scale[(B, k > 0)] = statistics.median(samples)
         return predicted
 
-    def record_acceptance(self, requests, k: int, counts: list[int]) -> None:
-        for request, a in zip(requests, counts):
-            offered = a + (a < k)
+    def record_acceptance(self, requests, lengths: list[int], counts: list[int]) -> None:
+        """Row i offered lengths[i] drafts and accepted counts[i] of them."""
+        for request, length, a in zip(requests, lengths, counts):
+            offered = a + (a < length)
             self.offered += offered
             stats = self.stats.setdefault(id(request), [0.0, 0.0])
             stats[0] = self.decay * stats[0] + a
@@ -373,8 +397,10 @@ def prepare_chooser(llm, chooser: KChooser, requests, target_spec, draft_spec, b
     context = int(statistics.median(len(r.prompt_ids) + r.params.max_tokens // 2 for r in requests))
     context = max(1, min(context, llm.max_context - llm.options.k_max - 2))
     path = llm.options.cost_cache if llm.options.cost_cache is not None else default_cache_path()
-    ids = model_identity(llm.target, target_spec), model_identity(llm.draft, draft_spec)
-    variant = "/".join(forward_variant(m) for m in (llm.target, llm.draft))
+    # a proposer without a model is named by its kind: the table then holds the target alone
+    draft_id = model_identity(llm.draft, draft_spec) if llm.draft is not None else "no-draft-model"
+    ids = model_identity(llm.target, target_spec), draft_id
+    variant = "/".join(forward_variant(m) for m in (llm.target, llm.draft) if m is not None)
     key = cache_key(ids[0] or "object", ids[1] or "object", llm.target.dtype, llm.device, batch_size,
                     llm.options.k_max, context, variant)
     if chooser.costs is not None and chooser.key in (None, key):  # costs given by the caller, or already these

@@ -50,12 +50,13 @@ class DecodeContext:
     timer: PhaseTimer
     target_name: str = "target"
     chooser: object | None = None  # auto k: a `specdec.autok.KChooser`; None: fixed k
+    proposer: object | None = None  # where drafts come from (specdec/proposers); None: AR, target only
     warned: set = field(default_factory=set)  # warnings already given in this run
 
     @property
     def k_max(self) -> int:
-        """The most drafts a step may propose (0 without a draft)."""
-        return self.options.k_max if self.draft is not None else 0
+        """The most drafts a step may propose (0 without a proposer)."""
+        return self.options.k_max if self.proposer is not None else 0
 
     @property
     def probs_dtype(self) -> torch.dtype:
@@ -149,16 +150,22 @@ class Batch:
         self.draft_cache.set_rows(length=(self.seq_len - T).clamp(min=0), host_length=[s - f for s, f in zip(seq, fed)])
         return T, fed
 
-    def draft_accepted(self, seq_before: list[int], counts: list[int], num_accepted) -> None:
+    def draft_accepted(self, seq_before: list[int], counts: list[int], num_accepted, replaced=None) -> None:
         """After a verification that accepted counts[i] drafts (num_accepted [B] on the device): the draft
         keeps the accepted drafts it has fed (all but the k-th), a lag of 2 behind the sequence. A feature
         draft fed its drafts with its own features, not the target's: it keeps only the sequence before the
-        step (lag a + 1), and re-feeds the accepted tokens with the target's features next step."""
+        step (lag a + 1), and re-feeds the accepted tokens with the target's features next step. So does a
+        row whose drafts came from elsewhere (`replaced`, host list of bools: a lookup's drafts): what the
+        draft fed after the sequence was not what the row accepted."""
+        before = self.target_cache.length - num_accepted  # [B] the sequence before the step, fed by the first forward
         if self.features is not None:
-            self.draft_cache.set_rows(length=self.target_cache.length - num_accepted, host_length=list(seq_before))
+            self.draft_cache.set_rows(length=before, host_length=list(seq_before))
             return
-        self.draft_cache.set_rows(length=self.target_cache.length - 1,
-                                  host_length=[s + a - 1 for s, a in zip(seq_before, counts)])
+        host = [s if r else s + a - 1 for s, a, r in zip(seq_before, counts, replaced or [False] * len(counts))]
+        length = self.target_cache.length - 1  # [B]
+        if replaced is not None and any(replaced):
+            length = torch.where(torch.tensor(replaced, device=length.device), before, length)  # [B]
+        self.draft_cache.set_rows(length=length, host_length=host)
 
     def last_positions(self, T: int, layout: str) -> torch.Tensor:
         """The positions of every row's last T tokens [B, T]; a row shorter than T is padded on the layout's

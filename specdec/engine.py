@@ -72,9 +72,11 @@ class Engine:
         self.llm = llm
         self.batch_size = int(batch_size)
         self.metrics = RunMetrics(llm.method, self.batch_size)
+        self.proposer = llm.new_proposer()  # this engine's drafter, with its per-row state
         self.ctx = DecodeContext(llm.target, llm.draft, llm.options, llm.vocab_size, llm.device, self.metrics,
                                  PhaseTimer(self.metrics, llm.device, llm.options.profile), llm.target_name,
-                                 llm.chooser)
+                                 llm.chooser, self.proposer)
+        self.metrics.drafter = llm.proposer_name
         self.scheduler = SCHEDULERS[llm.method](self.ctx, self.batch_size)
         if llm.chooser is not None:
             llm.chooser.start_run()
@@ -231,6 +233,8 @@ class Engine:
                 self.metrics.ttfts_s.append(output.time_to_first_token_s)
                 if chooser is not None:
                     chooser.forget(r)
+                if self.proposer is not None:
+                    self.proposer.release(r)
             deltas.append(RequestDelta(rid, new, text, r.finished, r.finish_reason, len(r.prompt_ids),
                                        len(r.output_ids), output))
         running = len(self.scheduler.running())

@@ -96,7 +96,9 @@ def check_invariants(ctx, batch) -> None:
             def features(i, n):
                 zero = batch.features.new_zeros(1, 1, batch.features.shape[2])  # [1, 1, E]: before position 0
                 return torch.cat([zero, batch.features[i: i + 1, : n - 1]], dim=1)  # [1, n, E]
-        check_cache("draft", ctx.draft, batch.draft_cache, sequences, lag=1 if batch.features is not None else 2,
+        # lag 1: a feature draft, or a row that took a lookup's drafts (proposers/combined.py)
+        lag = 1 if batch.features is not None or getattr(ctx.proposer, "lookup", None) is not None else 2
+        check_cache("draft", ctx.draft, batch.draft_cache, sequences, lag=lag,
                     exact=False, features=features)
         if batch.target_cache.layout == LEFT_PADDED and not torch.equal(batch.target_cache.start, batch.draft_cache.start):
             raise InvariantError("I6 rectangular: target and draft rows start at different columns")

@@ -18,10 +18,12 @@ from .drafts import shipped_draft
 from .engine import Engine
 from .metrics import RunMetrics
 from .options import AUTO, EngineOptions
+from .proposers import LOOKUPS, CombinedProposer, ModelProposer, NgramProposer, SuffixProposer, SuffixStore
 from .sampling import SamplingParams
 from .strategies import SCHEDULERS, SPECULATIVE
 
 METHODS = tuple(SCHEDULERS)
+DEFAULT_LOOKUP = "suffix"  # the drafter of a target with no draft given and none shipped (docs/benchmarks.md)
 
 
 class Outputs(list):
@@ -45,7 +47,12 @@ class LLM:
     """Batch speculative decoding engine.
 
     target, draft: checkpoint directories (Llama/Vicuna, Qwen3, GLM-4 in HF format) or model objects
-    meeting the protocol of docs/api.md. method: "ar", "eqspec", "ragged" or "exspec".
+    meeting the protocol of docs/api.md; `draft` may also name a drafter that needs no model: "ngram"
+    (prompt lookup) or "suffix" (suffix decoding). Without a draft, a speculative method uses the draft
+    specdec ships for the target, or else "suffix". method: "ar", "eqspec", "ragged" or "exspec".
+    lookup: "ngram" or "suffix" beside a draft model: a row takes the lookup's drafts where it has at least
+    `lookup_min_match` of them. ngram_min/ngram_max: the n-gram sizes prompt lookup matches;
+    suffix_store_tokens: the cross-request suffix store's size (0: each request drafts from its own text).
     num_speculative_tokens: k, or "auto" (default): chosen every step, 0..max_speculative_tokens, from
     measured costs and each request's acceptance (docs/design.md).
     check_invariants: verify invariants I2-I6 after every step (default: $SPECDEC_CHECK_INVARIANTS).
@@ -59,7 +66,8 @@ class LLM:
                  tokenizer=None, check_weights: bool = False, max_speculative_tokens: int = 8,
                  realign_cost_ratio: float = 0.175, fold_shift: bool = False, compile: bool | None = None,
                  profile: bool = False, cost_cache: str | None = None, batch_invariant: bool = False,
-                 packed_weights: bool | None = None):
+                 packed_weights: bool | None = None, lookup: str | None = None, lookup_min_match: int = 2,
+                 ngram_min: int = 1, ngram_max: int = 4, suffix_store_tokens: int = 16384):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
@@ -85,16 +93,40 @@ class LLM:
         self.device = engine_device(device, target)  # "auto": CUDA when available (or the model object's), else CPU
         self.check_weights = check_weights  # scan loaded weights for NaN/inf (load_model(check_weights=...))
 
+        if lookup is not None and lookup not in LOOKUPS:
+            raise ValueError(f"lookup must be one of {LOOKUPS} or None, got {lookup!r}")
+        if isinstance(lookup_min_match, bool) or not isinstance(lookup_min_match, int) or lookup_min_match < 1:
+            raise ValueError(f"lookup_min_match must be an int >= 1, got {lookup_min_match!r}")
+        for name, value in (("ngram_min", ngram_min), ("ngram_max", ngram_max)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if ngram_min > ngram_max:
+            raise ValueError(f"ngram_min ({ngram_min}) must be <= ngram_max ({ngram_max})")
+        if isinstance(suffix_store_tokens, bool) or not isinstance(suffix_store_tokens, int) or suffix_store_tokens < 0:
+            raise ValueError(f"suffix_store_tokens must be an int >= 0, got {suffix_store_tokens!r}")
         self.target = self._model(target, dtype)
         if speculative and draft is None:
             draft = shipped_draft(self.target)
             if draft is None:
-                raise ValueError(f"method {method!r} needs a draft model (draft=...): none is given, and specdec "
-                                 f"ships none for {model_name(target, 'target')}")
-            print(f"specdec: no draft given; using the draft shipped for this target ({draft.name}, recognised by "
-                  f"the target's fingerprint)", file=sys.stderr)
+                draft = DEFAULT_LOOKUP
+                print(f"specdec: no draft given and none shipped for {model_name(target, 'target')}; drafting with "
+                      f"{DEFAULT_LOOKUP!r} (from text already seen; auto k stops it where it does not pay)",
+                      file=sys.stderr)
+            else:
+                print(f"specdec: no draft given; using the draft shipped for this target ({draft.name}, recognised "
+                      f"by the target's fingerprint)", file=sys.stderr)
+        self.drafter = None  # "ngram" / "suffix" when the drafts need no model
+        if speculative and isinstance(draft, str) and draft in LOOKUPS:
+            self.drafter, draft = draft, None
+        if lookup is not None and (not speculative or draft is None):
+            raise ValueError("lookup= goes beside a draft model (draft=DIR); to draft from lookups alone pass "
+                             f"draft={lookup!r}")
+        self.lookup, self.lookup_min_match = lookup, lookup_min_match
+        self.ngram_sizes = (ngram_min, ngram_max)
+        # the cross-request part of "suffix", shared by every Engine (and server request) of this LLM
+        self.suffix_store = SuffixStore(suffix_store_tokens) if suffix_store_tokens else None
         self.specs = (target, draft)  # what the models were loaded from (auto k caches costs per checkpoint)
-        self.draft = self._model(draft, dtype) if speculative else None
+        self.draft = self._model(draft, dtype) if speculative and draft is not None else None
         if batch_invariant:  # models/numerics.py; False leaves model objects as they are
             for model in (self.target, self.draft):
                 if model is not None:
@@ -220,6 +252,32 @@ class LLM:
             return [self.tokenizer.encode(p) for p in prompts]
         return [self.tokenizer.encode(self.tokenizer.apply_chat_template([{"role": "user", "content": p}]),
                                       add_special_tokens=False) for p in prompts]
+
+    @property
+    def proposer_name(self) -> str | None:
+        """What drafts: "ngram", "suffix", "model", "feature" or "model+ngram" ..; None for AR."""
+        if self.method not in SPECULATIVE:
+            return None
+        if self.drafter is not None:
+            return self.drafter
+        name = "feature" if getattr(self.draft, "reads_target_hidden", False) else "model"
+        return name if self.lookup is None else f"{name}+{self.lookup}"
+
+    def _lookup_proposer(self, kind: str):
+        if kind == "ngram":
+            return NgramProposer(*self.ngram_sizes)
+        return SuffixProposer(self.suffix_store)
+
+    def new_proposer(self):
+        """A proposer for one Engine (per-row state is the Engine's own); None for AR."""
+        if self.method not in SPECULATIVE:
+            return None
+        if self.drafter is not None:
+            return self._lookup_proposer(self.drafter)
+        model = ModelProposer("feature" if getattr(self.draft, "reads_target_hidden", False) else "model")
+        if self.lookup is None:
+            return model
+        return CombinedProposer(model, self._lookup_proposer(self.lookup), self.lookup_min_match)
 
     def engine(self, batch_size: int | None = None) -> "Engine":
         """An incremental `Engine` on this LLM's models (one at a time per LLM: they share auto k's state)."""

@@ -1,9 +1,11 @@
 """One decoding step on a batch, shared by every strategy.
 
-A speculative step: draft k tokens, verify k+1 positions in one target pass, accept per row (greedy, coupled or
-rejection sampling: sampling.py), commit, fix both caches' lengths; the left-padded layout then realigns (the
-strategy's call). A target-only step (k = 0, and every AR step) feeds each row's last token once and
-emits one token; the draft skips it and catches up in its next forward (batch.py).
+A speculative step: the proposer (specdec/proposers) plans what each row has on offer, k is chosen (fixed,
+or auto k from the offers), the proposer drafts up to k tokens per row, the target verifies k+1 positions
+in one pass, each row accepts up to its own draft length (greedy, coupled or rejection sampling:
+sampling.py), commit, fix the caches' lengths; the left-padded layout then realigns (the scheduler's
+postprocess). A target-only step (k = 0, and every AR step) feeds each row's last token once and emits one
+token; a draft model skips it and catches up in its next forward (batch.py).
 
 A step reads the device once: one small tensor holding each row's emitted tokens, accepted count and
 finiteness flags, needed on the host for stop detection and request bookkeeping. Everything else the
@@ -19,41 +21,8 @@ from specdec.kernels.realign import realign
 from specdec.kernels.rejection import random_slot, rejection_sample
 
 from .batch import Batch, DecodeContext, finite_rows
+from .proposers import Proposal
 from .sampling import choose_tokens, draw_step_noise, sample_race
-
-
-def propose(ctx: DecodeContext, batch: Batch, k: int, noise):
-    """k draft tokens per row: ([B, k] int64, [B, k, V] draft distributions or None when all greedy,
-    [B] bool draft_ok: every draft distribution of the row was finite).
-
-    The first draft forward feeds each row's unseen tokens (T >= 2, or >= 1 for a feature draft: see
-    `Batch.rewind_draft`), the next k - 1 one each. `noise`: the step's `sampling.StepNoise` (None when all greedy); `noise.race[:, j]`, the
-    Exp(1) noise of position seq_len + j, samples the j-th draft of sampling rows.
-    """
-    V, params, cache = ctx.vocab_size, batch.params, batch.draft_cache
-    T, fed = batch.rewind_draft()
-    positions = batch.last_positions(T, cache.layout)  # [B, T]
-    x = batch.tokens.gather(1, positions)  # [B, T]
-    num_new = None if all(f == T for f in fed) else fed
-    # a feature draft reads the target's hidden state before each token, then its own output (models/feature_draft.py)
-    extra = {"features": batch.features_before(positions), "hidden": "last"} if batch.features is not None else {}
-    drafts, probs = [], []
-    ok = torch.ones(len(batch), dtype=torch.bool, device=x.device)  # [B]
-    for j in range(k):
-        logits = ctx.draft.forward(x, cache, num_new=num_new, logits="last", **extra)
-        if extra:
-            logits, extra["features"] = logits  # [B, 1, V], [B, 1, E]
-        logits = logits[:, -1, :V]  # [B, V]
-        ok &= finite_rows(logits)
-        token = logits.argmax(dim=-1)  # [B]
-        if noise is not None:
-            q = params.probs(logits, ctx.probs_dtype)  # [B, V]
-            token = torch.where(params.greedy, token, sample_race(q, noise.race[:, j]))
-            probs.append(q)
-        drafts.append(token)
-        x, num_new = token[:, None], None  # [B, 1]
-    ctx.metrics.draft_forwards += k
-    return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if probs else None), ok
 
 
 def verify(ctx: DecodeContext, batch: Batch, draft_ids):
@@ -67,34 +36,38 @@ def verify(ctx: DecodeContext, batch: Batch, draft_ids):
     return target_argmax, target_probs, finite_rows(logits)
 
 
-def accept(ctx: DecodeContext, batch: Batch, k: int, draft_ids, draft_probs, draft_ok, target_argmax, target_probs,
-           target_ok, noise):
+def accept(ctx: DecodeContext, batch: Batch, k: int, proposal: Proposal, target_argmax, target_probs, target_ok,
+           noise):
     """Choose each row's emitted tokens, read them back (the step's one synchronisation), commit them to
-    the requests, and set both caches' lengths.
+    the requests, and set the target cache's lengths (the proposer's own state: `observe`).
 
-    Greedy rows accept drafts while they equal the target's argmax; coupled rows while they equal the
-    target's race sample argmax(p / E) with the step's RACE noise (the E the draft proposed with), and emit
-    the target's sample at the first mismatch: every token is the target's own; rejection rows by
-    rejection sampling (`noise.uniforms`, and the residual noise of the slot each row emits at)."""
+    A row accepts at most its own draft length (`proposal.length`). Greedy rows accept drafts while they
+    equal the target's argmax; coupled rows while they equal the target's race sample argmax(p / E) with
+    the step's RACE noise (the E a draft model proposed with), and emit the target's sample at the first
+    mismatch: every token is the target's own; rejection rows by rejection sampling (`noise.uniforms`, and
+    the residual noise of the slot each row emits at)."""
     params = batch.params
+    draft_ids = proposal.tokens
     if params.any_coupled:
         race = sample_race(target_probs, noise.race)  # [B, k+1] the target's own samples
         target_argmax = race if target_argmax is None else torch.where(params.coupled[:, None], race, target_argmax)
     rejection = params.any_rejection
     residual = None
     if rejection:  # keyed by the position the row emits at: found first (the sampler's own test, on [B, k])
-        residual = noise.residual(random_slot(draft_ids, target_probs, draft_probs, noise.uniforms, draft_ok))  # [B, V]
+        residual = noise.residual(random_slot(draft_ids, target_probs, proposal.probs, noise.uniforms,
+                                              proposal.length))  # [B, V]
     output, num_accepted = rejection_sample(
-        draft_ids, target_argmax, target_probs if rejection else None, draft_probs if rejection else None,
+        draft_ids, target_argmax, target_probs if rejection else None, proposal.probs if rejection else None,
         params.exact_match, noise.uniforms if rejection else None, residual,
-        backend=ctx.kernel_backend, draft_ok=draft_ok, any_greedy=params.any_greedy or params.any_coupled,
+        backend=ctx.kernel_backend, draft_len=proposal.length, any_greedy=params.any_greedy or params.any_coupled,
         all_greedy=not rejection)  # [B, k+1], [B]
     batch.append(output, num_accepted + 1)
-    flags = torch.stack([num_accepted, target_ok.to(torch.int64), draft_ok.to(torch.int64)], dim=1)  # [B, 3]
+    draft_finite = proposal.finite if proposal.finite is not None else torch.ones_like(target_ok)  # [B]
+    flags = torch.stack([num_accepted, target_ok.to(torch.int64), draft_finite.to(torch.int64)], dim=1)  # [B, 3]
     readback = torch.cat([output, flags], dim=1).tolist()  # [B, k+4]: the step's one read of the device
     seq_before = batch.host_seq_len
     counts = []
-    for request, row in zip(batch.requests, readback):
+    for request, row, offered in zip(batch.requests, readback, proposal.lengths):
         a, finite, draft_finite = row[k + 1:]
         if not finite:
             ctx.raise_non_finite(request, f"decoding step {ctx.metrics.steps}")
@@ -103,21 +76,20 @@ def accept(ctx: DecodeContext, batch: Batch, k: int, draft_ids, draft_probs, dra
                       "the draft model produced non-finite logits; its drafts were rejected for those rows "
                       "(the output is the target's own, at the cost of speed)")
         request.accepted.append(a)
-        request.step_ks.append(k)
+        request.step_ks.append(offered)
         ctx.metrics.generated_tokens += request.commit(row[: a + 1])
         counts.append(a)
     if ctx.chooser is not None:
-        ctx.chooser.record_acceptance(batch.requests, k, counts)
+        ctx.chooser.record_acceptance(batch.requests, proposal.lengths, counts)
     m = ctx.metrics
-    m.proposed_drafts += k * len(counts)
+    m.proposed_drafts += sum(proposal.lengths)
     m.accepted_drafts += sum(counts)
     m.row_steps += len(counts)
-    # the verify pass cached the pending token and all k drafts: keep the pending one and the accepted;
-    # the draft keeps the accepted drafts it has fed (all but the k-th): lag 2 (batch.py)
+    # the verify pass cached the pending token and all k drafts: keep the pending one and the accepted
     target = batch.target_cache
     target.set_rows(length=target.length - (k - num_accepted),
                     host_length=[s + a for s, a in zip(seq_before, counts)])
-    batch.draft_accepted(seq_before, counts, num_accepted)
+    ctx.proposer.observe(batch, k, seq_before, counts, num_accepted)
     return counts
 
 
@@ -157,19 +129,20 @@ def realign_batch(ctx: DecodeContext, batch: Batch) -> None:
         draft.set_rows(start=new_start.clone(), host_start=list(new_host))
 
 
-def speculative_step(ctx: DecodeContext, batch: Batch, k: int) -> None:
-    """Draft, verify and accept one step of k drafts for every row of `batch` (finished rows stay in place:
-    the strategy drops, refills or realigns them)."""
+def speculative_step(ctx: DecodeContext, batch: Batch, k: int, plan) -> None:
+    """Propose, verify and accept one step of up to k drafts per row of `batch` (`plan`: the proposer's
+    offers, see specdec/proposers; finished rows stay in place: the scheduler drops, refills or realigns
+    them)."""
     params = batch.params
     with ctx.timer.phase("other"):  # keyed by (seed, position): column j is position seq_len + j, whatever k
         noise = draw_step_noise(params, batch.seq_len, batch.host_seq_len, k, ctx.vocab_size, ctx.probs_dtype,
                                 ctx.kernel_backend)
     with ctx.timer.phase("draft"):
-        draft_ids, draft_probs, draft_ok = propose(ctx, batch, k, noise)
+        proposal = ctx.proposer.propose(ctx, batch, k, noise, plan)
     with ctx.timer.phase("verify"):
-        target_argmax, target_probs, target_ok = verify(ctx, batch, draft_ids)
+        target_argmax, target_probs, target_ok = verify(ctx, batch, proposal.tokens)
     with ctx.timer.phase("accept"):
-        accept(ctx, batch, k, draft_ids, draft_probs, draft_ok, target_argmax, target_probs, target_ok, noise)
+        accept(ctx, batch, k, proposal, target_argmax, target_probs, target_ok, noise)
     ctx.metrics.record_step(k)
 
 
@@ -193,11 +166,23 @@ def target_step(ctx: DecodeContext, batch: Batch) -> None:
 
 
 def decode_step(ctx: DecodeContext, batch: Batch) -> int:
-    """One step of the batch with k chosen by the context (fixed, or auto); returns k. The strategy
-    reports the step's end (`ctx.step_done`) once its own part of the step (realignment) is done."""
-    k = ctx.k_max if ctx.chooser is None else ctx.chooser.choose(batch)
+    """One step of the batch: the proposer's plan (what each row has on offer, on the host), k chosen by
+    the context (fixed, or auto from the offers), at most the longest offer; returns k. The scheduler's
+    postprocess (realignment) follows, and only then `ctx.step_done` times the step."""
+    proposer = ctx.proposer
+    plan = proposer.plan(batch, ctx.k_max) if proposer is not None else None
+    # what bounds each row's drafts: a lookup's offers (a draft model, even beside a lookup, offers k everywhere)
+    offers = None if plan is None or proposer.uses_draft_model else [len(d) for d in plan]
+    if proposer is None:
+        k = 0
+    elif ctx.chooser is None:
+        k = ctx.k_max
+    else:
+        k = ctx.chooser.choose(batch, offers)
+    if offers is not None:
+        k = min(k, max(offers, default=0))
     if k == 0:
         target_step(ctx, batch)
     else:
-        speculative_step(ctx, batch, k)
+        speculative_step(ctx, batch, k, plan)
     return k

@@ -19,7 +19,7 @@ class ScriptedChooser(KChooser):
         super().__init__(k_max, linear_costs(1.0, 0.0, 0.1, 0.0))
         self.script, self.i = script, 0
 
-    def choose(self, batch):
+    def choose(self, batch, offers=None):
         k = self.script[self.i % len(self.script)]
         self.i += 1
         self.last = (len(batch), k, 2, 0.0)

@@ -53,7 +53,7 @@ def test_acceptance_estimates_follow_each_request():
     chooser = KChooser(5, linear_costs(10e-3, 0.1e-3, 1e-3, 0.01e-3))
     good, bad = object(), object()
     for _ in range(10):
-        chooser.record_acceptance([good, bad], 5, [5, 0])
+        chooser.record_acceptance([good, bad], [5, 5], [5, 0])
     assert chooser.alpha(good) > 0.9 and chooser.alpha(bad) < 0.4  # a rejection at the first draft is one trial
     fresh = object()  # a new request starts at the pooled estimate
     assert chooser.alpha(bad) < chooser.alpha(fresh) < chooser.alpha(good)

@@ -348,13 +348,13 @@ def test_rejection_random_dtypes(probs_dtype, noise_dtype):
 @needs_triton
 @pytest.mark.parametrize("greedy", [None, True, False])
 def test_rejection_unusable_draft_accepts_nothing(greedy):
-    """draft_ok False (non-finite draft logits): no draft accepted, the next token is the target's own
+    """draft_len 0 (non-finite draft logits): no draft accepted, the next token is the target's own
     (argmax, or a sample of p with q taken as 0), whatever the draft distribution holds (NaN here)."""
     kw = _sample_case(4, 3, 300, seed=9, greedy=greedy)
     ok = torch.tensor([True, False, True, False], device=DEVICE)
     dp = kw["draft_probs"].clone()
     dp[~ok] = float("nan")
-    out, n = _check_rejection(**{**kw, "draft_probs": dp}, draft_ok=ok)
+    out, n = _check_rejection(**{**kw, "draft_probs": dp}, draft_len=torch.where(ok, 3, 0))
     assert n[~ok].tolist() == [0, 0]
     rows = (~ok).nonzero().flatten()
     for i in rows.tolist():
@@ -363,6 +363,37 @@ def test_rejection_unusable_draft_accepts_nothing(greedy):
         else:  # the race over p alone
             assert out[i, 0] == (kw["target_probs"][i, 0].double() / kw["noise"][i].double()).argmax()
     assert (out[rows, 1:] == -1).all()
+
+
+@needs_triton
+@FEW
+@given(data=st.data())
+def test_rejection_row_of_length_L_emits_what_a_step_of_k_L_emits(data):
+    """Per-row draft lengths (a proposer with fewer than k drafts for some rows): a row offering L of the
+    k drafts emits exactly what the same row emits in a step of k = L (drafts past L never accepted; all
+    L accepted: the bonus is the target's own sample at L, q = 0). Shapes and noise as in a real step."""
+    B, k = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 4))
+    V = data.draw(st.sampled_from([3, 17, 100]))
+    kw = _sample_case(B, k, V, seed=data.draw(st.integers(0, 10_000)), sparse=data.draw(st.booleans()))
+    if data.draw(st.booleans()):  # make acceptance likely, so that rows run to their length
+        kw["target_probs"] = torch.cat([kw["draft_probs"], kw["target_probs"][:, -1:]], dim=1)
+        kw["target_argmax"] = torch.cat([kw["draft_ids"], kw["target_argmax"][:, -1:]], dim=1)
+    lengths = [data.draw(st.integers(0, k)) for _ in range(B)]
+    out, n = _check_rejection(**kw, draft_len=_t(lengths))
+    for i, L in enumerate(lengths):
+        if L == 0:
+            continue  # k = 0 has no rejection step; covered by the unusable-draft test
+        row = {name: (None if t is None else t[i:i + 1]) for name, t in kw.items()}
+        row["draft_ids"], row["uniforms"] = row["draft_ids"][:, :L], row["uniforms"][:, :L]
+        row["draft_probs"] = row["draft_probs"][:, :L]
+        row["target_probs"] = torch.cat([row["target_probs"][:, :L], row["target_probs"][:, L:L + 1]], dim=1)
+        row["target_argmax"] = row["target_argmax"][:, :L + 1]
+        alone, m = _check_rejection(**row)
+        assert n[i] == m[0] and out[i, :L + 1].tolist() == alone[0].tolist(), (i, L)
+        assert (out[i, L + 1:] == -1).all()
+        slot = rej.random_slot(kw["draft_ids"], kw["target_probs"], kw["draft_probs"], kw["uniforms"], _t(lengths))
+        if not kw["is_greedy"][i]:
+            assert slot[i] == n[i]
 
 
 @needs_triton
@@ -430,8 +461,8 @@ def test_rejection_random(data):
                       probs_dtype=data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float64])))
     _, accepted = _check_rejection(**kw)
     # random_slot (what the runtime keys a row's residual noise by) is the slot the sampler emits at
-    ok = torch.ones(B, dtype=torch.bool, device=DEVICE)
-    slot = rej.random_slot(kw["draft_ids"], kw["target_probs"], kw["draft_probs"], kw["uniforms"], ok)
+    full = torch.full((B,), k, dtype=torch.int64, device=DEVICE)
+    slot = rej.random_slot(kw["draft_ids"], kw["target_probs"], kw["draft_probs"], kw["uniforms"], full)
     random_rows = ~kw["is_greedy"]
     assert torch.equal(slot[random_rows], accepted[random_rows])
 

@@ -116,7 +116,8 @@ class Pool:
         self.ctx = ctx
         self.batch_size = batch_size
         self.target = ctx.new_cache(ctx.target, size, capacity, RAGGED)
-        self.draft = ctx.new_cache(ctx.draft, size, capacity, RAGGED)
+        # no draft cache for a proposer without a model (ngram, suffix)
+        self.draft = ctx.new_cache(ctx.draft, size, capacity, RAGGED) if ctx.draft is not None else None
         self.buffers = self._buffers(size, capacity)
         self.tokens = torch.zeros(size, capacity, dtype=torch.int64, device=ctx.device)  # [size, C]
         self.seq_len = torch.zeros(size, dtype=torch.int64, device=ctx.device)  # [size]
@@ -128,8 +129,9 @@ class Pool:
 
     def _buffers(self, size: int, capacity: int):
         rows = min(self.batch_size, size)
+        draft = self.ctx.draft
         return (self.ctx.new_cache(self.ctx.target, rows, capacity, LEFT_PADDED),
-                self.ctx.new_cache(self.ctx.draft, rows, capacity, LEFT_PADDED))
+                self.ctx.new_cache(draft, rows, capacity, LEFT_PADDED) if draft is not None else None)
 
     @property
     def size(self) -> int:
@@ -144,7 +146,7 @@ class Pool:
         if size <= self.size and capacity <= self.capacity:
             return
         capacity = max(capacity, self.capacity)
-        for cache in (self.target, self.draft):
+        for cache in self.caches():
             cache.grow(capacity)
             if size > self.size:
                 cache.add_rows(size - self.size)
@@ -162,6 +164,9 @@ class Pool:
             self.features = features
         self.buffers = self._buffers(self.size, capacity)
 
+    def caches(self) -> list:
+        return [c for c in (self.target, self.draft) if c is not None]
+
     def free_slots(self) -> list[int]:
         return [s for s, r in enumerate(self.rows) if r is None]
 
@@ -177,7 +182,8 @@ class Pool:
     def load(self, slots: list[int], fresh: Batch) -> None:
         """Copy a freshly prefilled (ragged) batch into free slots."""
         self.target.load_rows(slots, fresh.target_cache)
-        self.draft.load_rows(slots, fresh.draft_cache)
+        if self.draft is not None:
+            self.draft.load_rows(slots, fresh.draft_cache)
         index = self.index(slots)
         self.tokens[index, : fresh.tokens.shape[1]] = fresh.tokens
         self.seq_len[index] = fresh.seq_len
@@ -201,7 +207,7 @@ class Pool:
         offsets = [longest - n for n in lengths] if fold else [0] * len(slots)
         with ctx.timer.phase("realign" if fold else "other"):
             target = self.target.gather_rows(slots, self.buffers[0], offsets, width)
-            draft = self.draft.gather_rows(slots, self.buffers[1], offsets, width)
+            draft = self.draft.gather_rows(slots, self.buffers[1], offsets, width) if self.draft is not None else None
         index = self.index(slots)
         requests = [self.rows[s] for s in slots]
         features = None if self.features is None else self.features.index_select(0, index)  # [g, C, E]
@@ -211,8 +217,11 @@ class Pool:
             with ctx.timer.phase("realign"):
                 realign_batch(ctx, batch)
         # a step writes the target from its cached length on, the draft from where it is rewound to
-        seq, (_, fed) = batch.host_seq_len, batch.draft_lag()
-        self.firsts = (list(target.host_length), [min(n, s - f) for n, s, f in zip(draft.host_length, seq, fed)])
+        drafted = []
+        if draft is not None:
+            seq, (_, fed) = batch.host_seq_len, batch.draft_lag()
+            drafted = [min(n, s - f) for n, s, f in zip(draft.host_length, seq, fed)]
+        self.firsts = (list(target.host_length), drafted)
         self.stepped = slots
         return batch
 
@@ -222,7 +231,8 @@ class Pool:
         index = self.index(self.stepped)
         with self.ctx.timer.phase("other"):
             self.target.scatter_rows(self.stepped, batch.target_cache, self.firsts[0])
-            self.draft.scatter_rows(self.stepped, batch.draft_cache, self.firsts[1])
+            if self.draft is not None:
+                self.draft.scatter_rows(self.stepped, batch.draft_cache, self.firsts[1])
             self.tokens.index_copy_(0, index, batch.tokens)
             self.seq_len.index_copy_(0, index, batch.seq_len)
             if batch.features is not None:
