@@ -71,6 +71,7 @@ DEFAULT_METHODS = ("hf-ar,hf-assisted:5,hf-assisted:default,ar,eqspec:auto,eqspe
                    "exspec:auto,exspec:5,ar+compile,eqspec:auto+compile")
 QUICK = dict(pairs="tiny", dtypes="float32", batch_sizes="1,2", num_prompts="2", max_tokens="6", repeats=1,
              methods="hf-ar,hf-assisted:5,ar,eqspec:auto,ragged:3")
+DRAFTERS = ("ngram", "suffix", "draft+ngram", "draft+suffix")  # '@DRAFTER' of a specdec method
 AUTO_K_MAX = 8  # LLM's default max_speculative_tokens: what "auto" may propose (sizes the context check)
 
 
@@ -84,6 +85,8 @@ class Variant:
     method: str
     k: int | str | None = None  # specdec: int or "auto"; hf-assisted: int or "default"
     compile: bool = False
+    drafter: str | None = None  # specdec: "ngram" / "suffix" (no model), "draft+ngram" / "draft+suffix" (a lookup
+    # beside the pair's draft); None: the pair's draft
 
     def runs_at(self, batch_size: int) -> bool:
         return not (self.engine == "hf" and self.method in ("assisted", "lookup") and batch_size != 1)
@@ -95,8 +98,15 @@ class Variant:
 
 def parse_variant(label: str) -> Variant:
     """'hf-ar', 'hf-assisted:5', 'hf-assisted:default', 'ar', 'ragged' (= ragged:auto), 'ragged:5',
-    'eqspec:auto+compile', 'ar+compile'. Raises ValueError naming the label."""
-    text = label.strip()
+    'eqspec:auto+compile', 'ar+compile', and a drafter after '@': 'ragged:auto@ngram', 'eqspec:5@suffix',
+    'eqspec:auto@draft+suffix' (the pair's draft with a lookup beside it). Raises ValueError naming the label."""
+    text, _, drafter = label.strip().partition("@")
+    if drafter:
+        variant = parse_variant(text)
+        if variant.engine != "specdec" or variant.method == "ar" or drafter not in DRAFTERS:
+            raise ValueError(f"--methods {label!r}: '@' follows a speculative specdec method and names one of "
+                             f"{', '.join(DRAFTERS)}")
+        return Variant(f"{variant.label}@{drafter}", "specdec", variant.method, variant.k, variant.compile, drafter)
     compiled = text.endswith("+compile")
     base = text[: -len("+compile")] if compiled else text
     name, _, k = base.partition(":")
@@ -389,7 +399,12 @@ class Runner:
 
     def _new_llm(self, compile: bool) -> LLM:
         v = self.variant
-        return LLM(target=self.models[0], draft=self.models[1], method=v.method,
+        draft, lookup = self.models[1], None
+        if v.drafter in ("ngram", "suffix"):
+            draft = v.drafter
+        elif v.drafter:
+            lookup = v.drafter.split("+")[1]
+        return LLM(target=self.models[0], draft=draft, lookup=lookup, method=v.method,
                    num_speculative_tokens=5 if v.k is None else v.k, batch_size=1, dtype=self.pair.dtype,
                    device="cpu", window_size=self.window_size, tokenizer=self.pair.tokenizer, compile=compile,
                    check_invariants=False, cost_cache="")

@@ -76,7 +76,7 @@ class Engine:
         self.ctx = DecodeContext(llm.target, llm.draft, llm.options, llm.vocab_size, llm.device, self.metrics,
                                  PhaseTimer(self.metrics, llm.device, llm.options.profile), llm.target_name,
                                  llm.chooser, self.proposer)
-        self.metrics.drafter = llm.proposer_name
+        self.metrics.drafter = None if self.proposer is None else self.proposer.name
         self.scheduler = SCHEDULERS[llm.method](self.ctx, self.batch_size)
         if llm.chooser is not None:
             llm.chooser.start_run()

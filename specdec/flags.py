@@ -9,6 +9,10 @@ import os
 
 from .prompts import DEFAULT_DRAFT, DEFAULT_TARGET
 
+# the drafters that need no model (specdec.proposers.LOOKUPS, named here without importing torch: the CLIs
+# parse their flags, and answer Ctrl-C, before the heavy modules load; tests/test_flags.py holds them equal)
+LOOKUPS = ("ngram", "suffix")
+
 METHODS = ("ar", "eqspec", "exspec", "ragged")
 
 
@@ -16,6 +20,13 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
@@ -35,7 +46,8 @@ ENGINE_KWARGS = {
     "max_speculative_tokens": "max_speculative_tokens", "window_size": "window_size", "dtype": "dtype",
     "device": "device", "check_weights": "check_weights", "check_invariants": "check_invariants",
     "compile": "compile", "packed_weights": "packed_weights", "batch_invariant": "batch_invariant",
-    "profile": "profile",
+    "profile": "profile", "lookup": "lookup", "lookup_min_match": "lookup_min_match", "ngram_min": "ngram_min",
+    "ngram_max": "ngram_max", "suffix_store_tokens": "suffix_store_tokens",
 }
 
 
@@ -43,9 +55,22 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str = "rows dec
     """The model and engine flags (--target, --draft, --method, -k, ...), shared by every CLI."""
     p.add_argument("--target", help="target checkpoint: a directory in HF format (config.json, model.safetensors, "
                    "tokenizer) or a .gguf file; default: the embedded default target")
-    p.add_argument("--draft", help="draft checkpoint (directory or .gguf) sharing the target's tokenizer, or a "
-                   "feature-draft directory; default: the embedded default draft, or with --target the draft specdec "
-                   "ships for that target (recognised by its weights; SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", help="draft checkpoint (directory or .gguf) sharing the target's tokenizer, a "
+                   "feature-draft directory, or a drafter that needs no model: 'ngram' (prompt lookup in the row's own "
+                   "text) or 'suffix' (suffix decoding over the row's text and recent outputs); default: the embedded "
+                   "default draft, or with --target the draft specdec ships for that target (recognised by its "
+                   "weights; SmolLM2-135M-Instruct), else 'suffix'")
+    p.add_argument("--lookup", choices=LOOKUPS, help="beside a draft model: a row takes this lookup's drafts where "
+                   "it has at least --lookup-min-match of them, else the model's")
+    p.add_argument("--lookup-min-match", type=positive_int, default=2, help="with --lookup: the fewest looked-up "
+                   "drafts (or k, if smaller) that replace the model's in a row")
+    p.add_argument("--ngram-min", type=positive_int, default=1, help="ngram: the shortest suffix of a row that is "
+                   "matched in its prompt + output")
+    p.add_argument("--ngram-max", type=positive_int, default=4, help="ngram: the longest suffix matched (longer "
+                   "matches are tried first)")
+    p.add_argument("--suffix-store-tokens", type=non_negative_int, default=16384, help="suffix: tokens of recent "
+                   "requests' outputs kept for drafting across requests (0: each request drafts from its own text "
+                   "only; docs/api.md says what is kept)")
     p.add_argument("--method", choices=METHODS, default="eqspec", help="decoding strategy: ar = target only; "
                    "eqspec = left-padded, realign every step; exspec = same-length groups from a pool; "
                    "ragged = per-row offsets, never realign")
@@ -84,12 +109,14 @@ def checkpoint_pair(args) -> tuple[str, str | None, bool]:
     for AR, and for a --target without --draft: `LLM` then uses the draft specdec ships for that target
     (specdec/drafts.py), or says that it has none."""
     default_pair = args.target is None and args.draft is None
-    if args.target is None and args.draft is not None:
+    if args.target is None and args.draft is not None and args.draft not in LOOKUPS:
         raise ValueError("--draft needs --target (or give neither: the embedded default pair)")
     target = args.target or DEFAULT_TARGET
     draft = None if args.method == "ar" else (args.draft or (DEFAULT_DRAFT if default_pair else None))
+    if args.method == "ar" and getattr(args, "lookup", None) is not None:
+        raise ValueError("--lookup goes with a speculative --method (and a draft model)")
     for name, path in (("--target", target), ("--draft", draft)):
-        if path is None:
+        if path is None or (name == "--draft" and path in LOOKUPS):
             continue
         if str(path).endswith(".gguf"):
             if not os.path.isfile(path):

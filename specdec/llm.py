@@ -53,6 +53,8 @@ class LLM:
     lookup: "ngram" or "suffix" beside a draft model: a row takes the lookup's drafts where it has at least
     `lookup_min_match` of them. ngram_min/ngram_max: the n-gram sizes prompt lookup matches;
     suffix_store_tokens: the cross-request suffix store's size (0: each request drafts from its own text).
+    proposer: bring your own drafter: a callable returning a new proposer (the protocol of
+    specdec/proposers, docs/api.md) for each Engine; it drafts without a model (`draft` must be None).
     num_speculative_tokens: k, or "auto" (default): chosen every step, 0..max_speculative_tokens, from
     measured costs and each request's acceptance (docs/design.md).
     check_invariants: verify invariants I2-I6 after every step (default: $SPECDEC_CHECK_INVARIANTS).
@@ -67,7 +69,7 @@ class LLM:
                  realign_cost_ratio: float = 0.175, fold_shift: bool = False, compile: bool | None = None,
                  profile: bool = False, cost_cache: str | None = None, batch_invariant: bool = False,
                  packed_weights: bool | None = None, lookup: str | None = None, lookup_min_match: int = 2,
-                 ngram_min: int = 1, ngram_max: int = 4, suffix_store_tokens: int = 16384):
+                 ngram_min: int = 1, ngram_max: int = 4, suffix_store_tokens: int = 16384, proposer=None):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
@@ -105,7 +107,7 @@ class LLM:
         if isinstance(suffix_store_tokens, bool) or not isinstance(suffix_store_tokens, int) or suffix_store_tokens < 0:
             raise ValueError(f"suffix_store_tokens must be an int >= 0, got {suffix_store_tokens!r}")
         self.target = self._model(target, dtype)
-        if speculative and draft is None:
+        if speculative and draft is None and proposer is None:
             draft = shipped_draft(self.target)
             if draft is None:
                 draft = DEFAULT_LOOKUP
@@ -116,6 +118,12 @@ class LLM:
                 print(f"specdec: no draft given; using the draft shipped for this target ({draft.name}, recognised "
                       f"by the target's fingerprint)", file=sys.stderr)
         self.drafter = None  # "ngram" / "suffix" when the drafts need no model
+        self.proposer_factory = proposer
+        if proposer is not None:
+            if not callable(proposer) or draft is not None or not speculative:
+                raise ValueError("proposer= takes a callable returning a new proposer, for a speculative method "
+                                 "without draft=")
+            self.drafter = "custom"
         if speculative and isinstance(draft, str) and draft in LOOKUPS:
             self.drafter, draft = draft, None
         if lookup is not None and (not speculative or draft is None):
@@ -253,16 +261,6 @@ class LLM:
         return [self.tokenizer.encode(self.tokenizer.apply_chat_template([{"role": "user", "content": p}]),
                                       add_special_tokens=False) for p in prompts]
 
-    @property
-    def proposer_name(self) -> str | None:
-        """What drafts: "ngram", "suffix", "model", "feature" or "model+ngram" ..; None for AR."""
-        if self.method not in SPECULATIVE:
-            return None
-        if self.drafter is not None:
-            return self.drafter
-        name = "feature" if getattr(self.draft, "reads_target_hidden", False) else "model"
-        return name if self.lookup is None else f"{name}+{self.lookup}"
-
     def _lookup_proposer(self, kind: str):
         if kind == "ngram":
             return NgramProposer(*self.ngram_sizes)
@@ -272,6 +270,15 @@ class LLM:
         """A proposer for one Engine (per-row state is the Engine's own); None for AR."""
         if self.method not in SPECULATIVE:
             return None
+        if self.proposer_factory is not None:
+            proposer = self.proposer_factory()
+            for attr in ("plan", "propose", "observe", "release", "name", "uses_draft_model"):
+                if not hasattr(proposer, attr):
+                    raise TypeError(f"proposer {type(proposer).__name__} lacks {attr!r} (docs/api.md, proposers)")
+            if proposer.uses_draft_model:
+                raise TypeError(f"proposer {type(proposer).__name__}: a proposer brought with proposer= drafts "
+                                f"without a model (uses_draft_model must be False)")
+            return proposer
         if self.drafter is not None:
             return self._lookup_proposer(self.drafter)
         model = ModelProposer("feature" if getattr(self.draft, "reads_target_hidden", False) else "model")

@@ -15,7 +15,7 @@ PHASES = ("prefill", "draft", "verify", "accept", "realign", "other")
 class RunMetrics:
     method: str
     batch_size: int
-    drafter: str | None = None  # where drafts came from (`LLM.proposer_name`): "model", "ngram", "suffix" ..
+    drafter: str | None = None  # where drafts came from (the proposer's name): "model", "feature", "ngram", "suffix", "model+ngram" ..
     num_requests: int = 0
     generated_tokens: int = 0
     first_tokens: int = 0  # first tokens, emitted by the prefill rather than by a decoding step
@@ -28,6 +28,7 @@ class RunMetrics:
     draft_forwards: int = 0
     grouped_steps: int = 0  # EXSPEC: steps whose batch needed no realignment
     lookup_rows: int = 0  # a draft model with a lookup beside it: row-steps that took the lookup's drafts
+    drafts_by_drafter: dict = field(default_factory=dict)  # drafter name -> [proposed, accepted] drafts
     k_histogram: dict = field(default_factory=dict)  # k -> steps that proposed k drafts (0: target-only)
     predicted_step_s: float = 0.0  # auto k: the cost model's predicted time of the steps it chose ...
     measured_step_s: float = 0.0  # ... and their measured wall time

@@ -85,6 +85,10 @@ def accept(ctx: DecodeContext, batch: Batch, k: int, proposal: Proposal, target_
     m.proposed_drafts += sum(proposal.lengths)
     m.accepted_drafts += sum(counts)
     m.row_steps += len(counts)
+    for source, offered, a in zip(proposal.sources or [ctx.proposer.name] * len(counts), proposal.lengths, counts):
+        tally = m.drafts_by_drafter.setdefault(source, [0, 0])  # [proposed, accepted]
+        tally[0] += offered
+        tally[1] += a
     # the verify pass cached the pending token and all k drafts: keep the pending one and the accepted
     target = batch.target_cache
     target.set_rows(length=target.length - (k - num_accepted),

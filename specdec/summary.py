@@ -3,11 +3,12 @@ from __future__ import annotations
 
 
 def summary_table(rows: list[dict]) -> str:
-    header = ["method", "batch", "k", "tokens/s", "acceptance", "tokens/step", "realign share", "speed-up vs AR"]
+    header = ["method", "batch", "k", "tokens/s", "acceptance", "tokens/step", "realign share", "speed-up vs AR",
+              "drafter"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         lines.append(f"| {r['method']} | {r['batch_size']} | {r['k']} | {r['tokens_per_s']:.1f} | {r['acceptance']} | "
-                     f"{r['tokens_per_step']:.2f} | {r['realign_share']} | {r['speedup']} |")
+                     f"{r['tokens_per_step']:.2f} | {r['realign_share']} | {r['speedup']} | {r['drafter']} |")
     return "\n".join(lines)
 
 
@@ -26,7 +27,7 @@ def k_summary(metrics, k_setting) -> str:
 
 def metrics_row(metrics, k_setting, ar_tps: float | None) -> dict:
     speculative = metrics.method != "ar"
-    return {"method": metrics.method, "batch_size": metrics.batch_size, "k": k_summary(metrics, k_setting),
+    return {"method": metrics.method, "drafter": metrics.drafter or "-", "batch_size": metrics.batch_size, "k": k_summary(metrics, k_setting),
             "tokens_per_s": metrics.tokens_per_s,
             "acceptance": f"{metrics.acceptance_rate:.1%}" if speculative and metrics.proposed_drafts else "-",
             "tokens_per_step": metrics.mean_tokens_per_step,

@@ -58,6 +58,21 @@ def test_jsonl_prompts_output_and_compare_ar(pair):
         assert 0 < len(r["token_ids"]) <= 24
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_drafters_without_a_model_from_the_command_line(pair, drafter):
+    """--draft ngram|suffix (and their flags): exact against AR, the summary names the drafter."""
+    target, _, root = pair
+    prompts = root / f"repeats-{drafter}.txt"
+    prompts.write_text("\n".join(" ".join(f"w{(i + j) % 9}" for j in range(30)) for i in range(5)) + "\n")
+    extra = ("--ngram-min", "2", "--ngram-max", "3") if drafter == "ngram" else ("--suffix-store-tokens", "0")
+    result = cli("--target", target, "--draft", drafter, *extra, "--prompts", str(prompts), "--method", "ragged",
+                 "--batch-size", "2", "--max-tokens", "16", "--dtype", "float64", "--compare-ar",
+                 "--check-invariants", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert "Check against AR decoding: 5/5 exact-match (100.0%)" in result.stdout
+    assert "| ragged |" in result.stdout and f"| {drafter} |" in result.stdout
+
+
 def test_text_prompts_and_sampling(pair):
     target, draft, _ = pair
     result = cli("--target", target, "--draft", draft, "--prompt", "w1 w2", "--prompt", "w3", "--temperature", "0.8",

@@ -13,6 +13,7 @@ import specdec.kernels.positions as positions
 import specdec.speculative as speculative
 from specdec import LLM, SamplingParams
 from specdec.invariants import InvariantError
+from specdec.proposers import ModelProposer, Proposal
 
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -76,13 +77,14 @@ def test_rejected_drafts_left_visible(pair, monkeypatch):
 
 
 def test_bonus_token_from_the_draft(pair, monkeypatch):
-    propose, sample = speculative.propose, speculative.rejection_sample
+    propose, sample = ModelProposer.propose, speculative.rejection_sample
     extra = {}
 
-    def propose_one_more(ctx, batch, k, noise):
-        ids, probs, ok = propose(ctx, batch, k + 1, noise)  # noise has k + 1 columns: enough for k + 1 drafts
-        extra["draft_bonus"] = ids[:, -1]  # the draft's guess after its k-th token
-        return ids[:, :-1], None if probs is None else probs[:, :-1], ok
+    def propose_one_more(self, ctx, batch, k, noise, plan=None):
+        p = propose(self, ctx, batch, k + 1, noise)  # noise has k + 1 columns: enough for k + 1 drafts
+        extra["draft_bonus"] = p.tokens[:, -1]  # the draft's guess after its k-th token
+        return Proposal(p.tokens[:, :-1], p.length.clamp(max=k), [k] * len(batch),
+                        None if p.probs is None else p.probs[:, :-1], p.finite)
 
     def bonus_from_draft(draft_ids, *args, **kwargs):
         output, accepted = sample(draft_ids, *args, **kwargs)
@@ -91,7 +93,7 @@ def test_bonus_token_from_the_draft(pair, monkeypatch):
         output[full, k] = extra["draft_bonus"][full]
         return output, accepted
 
-    monkeypatch.setattr(speculative, "propose", propose_one_more)
+    monkeypatch.setattr(ModelProposer, "propose", propose_one_more)
     monkeypatch.setattr(speculative, "rejection_sample", bonus_from_draft)
     outs = run(pair, check=True)  # the caches stay consistent: only the content is wrong
     assert not matches_ar(pair, outs)

@@ -159,7 +159,7 @@ def test_shipped_draft_is_used_by_fingerprint(models, llama_pair, tmp_path, monk
     other = checkpoint_pairs("qwen3")[0]  # no draft shipped for it: suffix decoding, said in one line
     capsys.readouterr()
     fallback = LLM(other, method="ragged")
-    assert fallback.draft is None and fallback.proposer_name == "suffix"
+    assert fallback.draft is None and fallback.drafter == "suffix"
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"none shipped for target {other}; drafting with 'suffix'" in err
 

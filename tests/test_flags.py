@@ -23,6 +23,12 @@ def test_every_engine_flag_is_an_llm_argument():
     assert set(ENGINE_KWARGS.values()) <= llm_args
 
 
+def test_the_cli_names_the_runtimes_lookups():
+    from specdec import flags, proposers
+
+    assert flags.LOOKUPS == proposers.LOOKUPS
+
+
 def test_run_parser_passes_every_engine_flag():
     args = run.build_parser().parse_args(["--batch-invariant", "--no-packed-weights", "--compile", "--profile",
                                           "--check-weights", "-k", "3", "--method", "ragged", "--dtype", "float64"])

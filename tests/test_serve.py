@@ -249,6 +249,27 @@ def test_metrics_exposition(server, client):
     assert metric(text, "specdec_speculative_k_count") == metric(text, "specdec_engine_steps_total")
     assert metric(text, "specdec_time_to_first_token_seconds_count") >= 1
     assert metric(text, "specdec_requests_finished_total", 'finish_reason="length"') >= 1
+    # acceptance per drafter: the embedded pair's draft model is the only one
+    assert metric(text, "specdec_spec_decode_drafter_proposed_drafts_total", 'drafter="model"') == metric(
+        text, "specdec_spec_decode_proposed_drafts_total")
+    assert 0 < metric(text, "specdec_spec_decode_drafter_acceptance_rate", 'drafter="model"') <= 1
+
+
+def test_a_server_drafting_with_suffix_answers_as_ar(tmp_path_factory, template_file):
+    """`--draft suffix` (the server takes every drafter flag): outputs equal AR's, /metrics labels them."""
+    proc, url, _ = start_server(tmp_path_factory, template_file, "--draft", "suffix", "-k", "3")
+    try:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        ar = LLM(DEFAULT_TARGET, method="ar", batch_invariant=True)
+        for prompt in PROMPTS[:2] * 2:  # asked twice: the second time the store has the first's output
+            r = api.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+            expected = ar.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS))[0].text
+            assert r.choices[0].text == expected
+        text = httpx.get(f"{url}/metrics").text
+        assert metric(text, "specdec_spec_decode_drafter_proposed_drafts_total", 'drafter="suffix"') > 0
+        assert metric(text, "specdec_spec_decode_drafter_accepted_drafts_total", 'drafter="suffix"') > 0
+    finally:
+        launcher.stop(proc)
 
 
 # ----------------------------------------------------------------------------------------- errors

@@ -17,6 +17,7 @@ class Proposal:
     lengths: list[int]  # the same on the host, as planned (before the device's finiteness check)
     probs: torch.Tensor | None  # [B, k, V] the distributions the drafts were drawn from; None when no row needs them
     finite: torch.Tensor | None = None  # [B] bool: the draft model's logits were finite (None: no model ran)
+    sources: list[str] | None = None  # which drafter each row's drafts came from (None: all the proposer's)
 
 
 def one_hot_probs(tokens: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:

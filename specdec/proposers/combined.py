@@ -25,6 +25,7 @@ class CombinedProposer:
         need = min(self.min_match, k)
         self._replaced = [len(d) >= need for d in plan]
         if not any(self._replaced):
+            proposal.sources = [self.model.name] * len(plan)
             return proposal
         replaced = torch.tensor(self._replaced, device=proposal.tokens.device)  # [B] bool
         lengths = [min(len(d), k) if r else k for d, r in zip(plan, self._replaced)]
@@ -36,7 +37,8 @@ class CombinedProposer:
         if probs is not None:  # a looked-up draft is deterministic: one-hot
             probs = torch.where(replaced[:, None, None], one_hot_probs(looked_up, probs.shape[-1], probs.dtype), probs)
         ctx.metrics.lookup_rows += sum(self._replaced)
-        return Proposal(tokens, length, lengths, probs, proposal.finite | replaced)
+        sources = [self.lookup.name if r else self.model.name for r in self._replaced]
+        return Proposal(tokens, length, lengths, probs, proposal.finite | replaced, sources)
 
     def observe(self, batch, k, seq_before, counts, num_accepted, kept=None) -> None:
         self.model.observe(batch, k, seq_before, counts, num_accepted, kept=self._replaced or None)

@@ -133,6 +133,13 @@ class SuffixStore:
                 self.trie.remove(old)
                 self.tokens -= len(old)
 
+    def clear(self) -> None:
+        """Forget every stored output."""
+        with self.lock:
+            self.trie = SuffixTrie(self.trie.depth)
+            self.outputs.clear()
+            self.tokens = 0
+
     def continuation(self, seq, k, max_spec_factor, min_token_prob) -> tuple[list[int], float]:
         with self.lock:
             return self.trie.continuation(seq, k, max_spec_factor, min_token_prob)

@@ -34,6 +34,20 @@ class EngineCollector:
             yield CounterMetricFamily(name, text, value=stats[key])
         yield GaugeMetricFamily("specdec_spec_decode_acceptance_rate", "Accepted / proposed drafts over the "
                                 "server's life (0 before any draft)", value=stats["acceptance_rate"])
+        by_drafter = stats.get("drafts_by_drafter", {})  # name -> (proposed, accepted)
+        proposed = CounterMetricFamily("specdec_spec_decode_drafter_proposed_drafts", "Draft tokens proposed, by "
+                                       "drafter (model, feature, ngram, suffix)", labels=["drafter"])
+        accepted = CounterMetricFamily("specdec_spec_decode_drafter_accepted_drafts", "Draft tokens the target "
+                                       "accepted, by drafter", labels=["drafter"])
+        rate = GaugeMetricFamily("specdec_spec_decode_drafter_acceptance_rate", "Accepted / proposed drafts, by "
+                                 "drafter", labels=["drafter"])
+        for name, (n_proposed, n_accepted) in sorted(by_drafter.items()):
+            proposed.add_metric([name], n_proposed)
+            accepted.add_metric([name], n_accepted)
+            rate.add_metric([name], n_accepted / n_proposed if n_proposed else 0.0)
+        yield proposed
+        yield accepted
+        yield rate
         counts = stats["k_histogram"]  # k -> steps
         buckets, running = [], 0
         for k in range(max([self.k_max, *counts]) + 1):

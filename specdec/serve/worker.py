@@ -104,7 +104,8 @@ class EngineWorker:
         m = self.engine.metrics
         return {"generated_tokens": m.generated_tokens, "proposed_drafts": m.proposed_drafts,
                 "accepted_drafts": m.accepted_drafts, "steps": m.steps, "acceptance_rate": m.acceptance_rate,
-                "k_histogram": dict(m.k_histogram)}
+                "k_histogram": dict(m.k_histogram),
+                "drafts_by_drafter": {name: tuple(tally) for name, tally in m.drafts_by_drafter.items()}}
 
     def _run(self) -> None:
         failures = 0
