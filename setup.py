@@ -13,7 +13,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["specdec", "specdec.strategies", "specdec.serve", "specdec.kernels", "specdec.models"],
+    packages=["specdec", "specdec.strategies", "specdec.serve", "specdec.proposers", "specdec.kernels", "specdec.models"],
     package_dir={
         "specdec": "specdec",
         "specdec.strategies": "specdec/strategies",

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import (REPO, HelpFormatter, comma_list, command_line, file_sha256, fmt_spread, interleave,
-                          machine_line, md_table, pair_dirs, random_prompts)
+                          machine_line, md_table, random_prompts)
+from bench.pairs import pair_dirs
 
 SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "batch_invariant")

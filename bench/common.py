@@ -1,6 +1,7 @@
 """What every benchmark shares: interleaved repeated timing, medians with spread, markdown tables, the machine's
 metadata, the command line that reproduces a run, argparse's help format and list types (and --quick defaults),
-the benchmark pairs and their prompts, JSONL files, figures and process memory.
+the benchmarks' prompts, JSONL files, figures and process memory. The benchmark pairs (`pair_dirs`) are
+bench/pairs.py's.
 
 One forward on a prefilled cache (prefill, time, rewind) is the runtime's own `specdec.timing` (auto k
 calibrates with it).
@@ -21,7 +22,6 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAIR_NAMES = ("default", "synthetic", "tiny")
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -148,23 +148,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-# ------------------------------------------------------------------------------------------------ pairs
-def pair_dirs(name: str, folder: str | None = None) -> tuple[str, str]:
-    """(target, draft) checkpoint directories of a benchmark pair: 'default' (the embedded pair), 'synthetic'
-    (bench/pairs.py's 113M/19M pair) or 'tiny' (its toy version); the last two are built once into `folder`
-    (default bench/results/pair, -tiny for the tiny one) and reused while their recipe matches."""
-    if name == "default":
-        from specdec.prompts import DEFAULT_DRAFT, DEFAULT_TARGET
-
-        return DEFAULT_TARGET, DEFAULT_DRAFT
-    if name not in PAIR_NAMES:
-        raise ValueError(f"unknown pair {name!r}; choose from {', '.join(PAIR_NAMES)}")
-    from bench.pairs import DEFAULT_PAIR_DIR, SyntheticPairSpec, build_synthetic_pair
-
-    spec = SyntheticPairSpec() if name == "synthetic" else SyntheticPairSpec.quick()
-    return build_synthetic_pair(folder or DEFAULT_PAIR_DIR + ("-tiny" if name == "tiny" else ""), spec)
-
-
+# ---------------------------------------------------------------------------------------------- prompts
 def random_prompts(n: int, vocab: int, shortest: int = 8, longest: int = 64, seed: int = 0) -> list[list[int]]:
     """n prompts of random token ids (3..vocab-1, above the usual special ids) of random lengths."""
     rng = random.Random(seed)

@@ -32,9 +32,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from bench.common import interleave
+from specdec.prompts import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdec.timing import PrefilledCache, random_tokens
 
 DEFAULT_PAIR_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pair")
+PAIR_NAMES = ("default", "synthetic", "tiny")
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,18 @@ def build_synthetic_pair(out_dir: str, spec: SyntheticPairSpec = SyntheticPairSp
               f"({time.perf_counter() - t0:.1f}s): target {n_target / 1e6:.1f}M params, "
               f"draft {n_draft / 1e6:.1f}M params", file=sys.stderr, flush=True)
     return target_dir, draft_dir
+
+
+def pair_dirs(name: str, folder: str | None = None) -> tuple[str, str]:
+    """(target, draft) checkpoint directories of a benchmark pair: 'default' (the embedded pair), 'synthetic'
+    (the 113M/19M pair above) or 'tiny' (its toy version); the last two are built once into `folder`
+    (default bench/results/pair, -tiny for the tiny one) and reused while their recipe matches."""
+    if name == "default":
+        return DEFAULT_TARGET, DEFAULT_DRAFT
+    if name not in PAIR_NAMES:
+        raise ValueError(f"unknown pair {name!r}; choose from {', '.join(PAIR_NAMES)}")
+    spec = SyntheticPairSpec() if name == "synthetic" else SyntheticPairSpec.quick()
+    return build_synthetic_pair(folder or DEFAULT_PAIR_DIR + ("-tiny" if name == "tiny" else ""), spec)
 
 
 def pair_description(target_dir: str, draft_dir: str) -> dict:

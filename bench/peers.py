@@ -53,10 +53,10 @@ import torch
 
 from bench.bandwidth import read_bandwidth
 from bench.common import (REPO, HelpFormatter, checkpoint_tokenizer, comma_ints, comma_list, command_line,
-                          evenly_spaced, file_sha256, fmt_spread, k_text, lengths_text, machine, md_table, pair_dirs,
+                          evenly_spaced, file_sha256, fmt_spread, k_text, lengths_text, machine, md_table,
                           parse_with_quick, prompt_ids, read_jsonl, save_figure, shown, spread,
                           write_jsonl)
-from bench.pairs import DEFAULT_PAIR_DIR
+from bench.pairs import DEFAULT_PAIR_DIR, pair_dirs
 from specdec import LLM, METHODS, SamplingParams
 from specdec.drafts import shipped_draft
 from specdec.models import is_gguf, load_model

@@ -175,7 +175,8 @@ def main(argv=None) -> int:
         print(json.dumps(run_cells(json.loads(args.cell))))
         return 0
     # not in --cell: its `bench` may be another version
-    from bench.common import command_line, machine_line, pair_dirs, write_jsonl
+    from bench.common import command_line, machine_line, write_jsonl
+    from bench.pairs import pair_dirs
 
     versions = [v.strip() for v in args.versions.split(",") if v.strip()]
     roots = {"after": REPO, "compiled": REPO}

@@ -45,9 +45,9 @@ import traceback
 import torch
 
 from bench.common import (REPO, HelpFormatter, checkpoint_tokenizer, comma_ints, command_line, evenly_spaced, k_text,
-                          lengths_text, machine, md_table, pair_dirs, parse_with_quick, prompt_ids, random_prompts,
+                          lengths_text, machine, md_table, parse_with_quick, prompt_ids, random_prompts,
                           read_jsonl, save_figure, shown, write_jsonl)
-from bench.pairs import DEFAULT_PAIR_DIR, cost_ratio, pair_description
+from bench.pairs import DEFAULT_PAIR_DIR, cost_ratio, pair_description, pair_dirs
 from specdec import LLM, SamplingParams
 from specdec.flags import k_value
 from specdec.prompts import read_prompts

@@ -65,8 +65,12 @@ class FeatureDraft(Transformer):
     reads_target_hidden = True
 
     def __init__(self, cfg: ModelConfig, target: Transformer, draft_vocab: torch.Tensor | None = None):
-        nn.Module.__init__(self)
-        self.cfg = cfg  # the target's config with num_layers = the draft's layers
+        # cfg: the target's config with num_layers = the draft's layers. Transformer's constructor sets the config
+        # and the runtime state (compiled forward, numerics modes, RoPE table); its parts, built on the meta
+        # device (nothing allocated, no random numbers drawn), are replaced by ours below
+        with torch.device("meta"):
+            super().__init__(cfg, fused=True)
+        del self.embed_tokens, self.layers, self.norm, self.lm_head
         E = cfg.hidden_size
         self._borrowed = (target.embed_tokens, target.norm)  # a tuple: shared, not registered as our modules
         self.fc = nn.Linear(2 * E, E, bias=True, dtype=target.dtype, device=target.device)
@@ -81,11 +85,6 @@ class FeatureDraft(Transformer):
             self.lm_head.weight.copy_(head)
         self.lm_head.weight.requires_grad_(False)  # the target's rows: trained with the target, never here
         self.register_buffer("draft_vocab", draft_vocab, persistent=False)
-        self.compiled_forward = None
-        self._compile_mode = None
-        self._batch_invariant = False
-        self._packed_linear = False
-        self._bi_workspace = None
 
     @property
     def embed_tokens(self) -> nn.Embedding:

@@ -29,6 +29,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import CheckpointError
+from .finite import check_finite
 from .transformer import Transformer, fusion_layout
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -361,8 +362,6 @@ def gguf_name(hf: str) -> str:
 def load_gguf_model(path, dtype=torch.float32, device="cpu", fuse: bool = True,
                     check_weights: bool = False) -> Transformer:
     """Load a GGUF file into our Transformer (see the module docstring). `dtype` is a torch dtype."""
-    from .loader import check_finite
-
     path = os.fspath(path)
     device = torch.device(device)
     weights = GGUFTensors(path)

@@ -13,17 +13,16 @@ the special token ids, `add_bos_token`/`add_eos_token` and the chat template. Tw
 Control tokens (type 3: `<|im_start|>`, ...) become special added tokens, user-defined ones (type 4)
 plain added tokens, so the text never splits them. What `encode` then gives is what transformers'
 `AutoTokenizer.from_pretrained(dir, gguf_file=...)` gives (tests/test_real_model.py checks 2,000 strings).
+`build_gguf_tokenizer` returns the `tokenizers` object and its tokenizer_config entries; models/tokenizer.py's
+`load_tokenizer` wraps them in its `Tokenizer`, as it does for a checkpoint directory.
 """
 from __future__ import annotations
-
-import os
 
 import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 
 from .errors import CheckpointError
 from .gguf import open_gguf
-from .tokenizer import Tokenizer
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
@@ -95,13 +94,6 @@ def _sentencepiece_bpe(tokens, merges, scores, add_prefix_space: bool) -> tokeni
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_prefix_space else []))
     return tok
-
-
-def load_gguf_tokenizer(path) -> Tokenizer:
-    """The tokenizer of GGUF file `path` (see the module docstring); CheckpointError names the file."""
-    path = os.fspath(path)
-    tok, cfg = build_gguf_tokenizer(path)
-    return Tokenizer(path, cfg, (), tok=tok)
 
 
 def build_gguf_tokenizer(path: str) -> tuple[tokenizers.Tokenizer, dict]:

@@ -33,6 +33,7 @@ import tokenizers
 from tokenizers import decoders, pre_tokenizers
 
 from .errors import CheckpointError
+from .gguf_tokenizer import build_gguf_tokenizer
 
 __all__ = ["Tokenizer", "load_tokenizer"]
 
@@ -277,8 +278,8 @@ def load_tokenizer(path) -> Tokenizer:
     models/gguf_tokenizer.py); raises CheckpointError naming the path."""
     root = Path(path)
     if root.suffix == ".gguf" and not root.is_dir():
-        from .gguf_tokenizer import load_gguf_tokenizer
-        return load_gguf_tokenizer(root)
+        tok, cfg = build_gguf_tokenizer(str(root))
+        return Tokenizer(str(root), cfg, (), tok=tok)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such checkpoint directory")
     cfg = _read_json(root / "tokenizer_config.json")

@@ -207,17 +207,19 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, fused: bool = False):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embed_tokens
         self.layers = nn.ModuleList(DecoderLayer(cfg, fused) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        if cfg.tie_word_embeddings:  # the local: a subclass may redefine `embed_tokens` (models/feature_draft.py)
+            self.lm_head.weight = embed_tokens.weight
         self.compiled_forward = None  # set by `compile_forward`
         self._compile_mode = None
         self._batch_invariant = False
         self._packed_linear = False
         self._bi_workspace = None  # reusable buffers of batch-invariant attention (models/numerics.py)
+        self._rope_table = None  # (cos, sin) [N, R] for positions 0..N-1 (`rope_table`)
 
     @property
     def batch_invariant(self) -> bool:
@@ -269,11 +271,27 @@ class Transformer(nn.Module):
         exponent = torch.arange(0, R, 2, dtype=torch.int64, device=device).float() / R
         return 1.0 / (self.cfg.rope_theta ** exponent) / self.cfg.rope_linear_factor
 
-    def rope(self, positions):
-        """cos, sin: [B, 1, T, R] in the model dtype, for positions [B, T]."""
-        freqs = positions[..., None].float() * self.inv_freq(positions.device)  # [B, T, R/2] float32
+    def rope_table(self, count: int):
+        """cos, sin: [N, R] in the model dtype for positions 0..N-1, N >= count. Computed once per model, as a
+        forward of every position would (float32 angles, cast to the model dtype), and again only for more
+        positions (N doubles at least), another dtype or another device."""
+        table = self._rope_table
+        if table is not None and table[0].shape[0] >= count and table[0].dtype == self.dtype \
+                and table[0].device == self.device:
+            return table
+        N = max(count, 2 * table[0].shape[0] if table is not None else 0)
+        positions = torch.arange(N, dtype=torch.int64, device=self.device)  # [N]
+        freqs = positions[:, None].float() * self.inv_freq(self.device)  # [N, R/2] float32
         emb = freqs.repeat_interleave(2, dim=-1) if self.cfg.rope_interleaved else torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]
+        self._rope_table = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))  # [N, R] each
+        return self._rope_table
+
+    def rope(self, positions, count: int | None = None):
+        """cos, sin: [B, 1, T, R] in the model dtype, for positions [B, T], looked up in `rope_table`. `count`:
+        a host bound on the positions (every one below it; the forward passes the cache's capacity); None
+        reads it from `positions` (one device read, for checks and training)."""
+        cos, sin = self.rope_table(int(positions.max()) + 1 if count is None else count)
+        return cos[positions][:, None], sin[positions][:, None]
 
     def new_cache(self, batch_size: int, capacity: int, layout: str = RAGGED) -> KVCache:
         cfg = self.cfg
@@ -301,6 +319,7 @@ class Transformer(nn.Module):
         compiled = self.compiled_forward is not None and num_new is None  # steps; prefills (varied shapes) run eager
         compiled = compiled and not self.batch_invariant
         plan = cache.plan(T, num_new, full_width=compiled)
+        self.rope_table(cache.capacity)  # positions < capacity; built (or grown) here, outside a compiled graph
         last_index = None  # [B] each row's last real token, when it is not token T - 1
         if logits == "last" and not cache.left_padded and any(n != T for n in plan.host_num_new):
             last_index = plan.num_new - 1
@@ -340,7 +359,7 @@ class Transformer(nn.Module):
         kv_append kernel of `backend`); features [B, T, E] or None (`embed`); hidden: also return the last
         layer's output, at every position ("all") or where the logits are ("last")."""
         B, T = input_ids.shape
-        cos, sin = self.rope(positions)
+        cos, sin = self.rope(positions, k.shape[3])  # [B, 1, T, R]; positions < capacity C
         if self.batch_invariant:
             if self._bi_workspace is None:
                 self._bi_workspace = numerics.Workspace()
@@ -368,10 +387,11 @@ class Transformer(nn.Module):
         serves every batch size and step length (a size of 1 gets its own graph, as torch.compile always
         specialises it: at most four graphs per model); attention runs over the cache's full width so that
         no shape depends on the rows' lengths. Results equal the eager forward's up to rounding (inductor's
-        float32 rsqrt/cos differ from eager's in the last bit; token-exact in float64 in our tests)."""
+        float32 rsqrt differs from eager's in the last bit; the RoPE table is built eagerly, outside the graph;
+        token-exact in float64 in our tests)."""
         # emulate_precision_casts: round where eager rounds (RMSNorm's float32 pass), so the compiled
         # forward computes what the eager one does instead of skipping the casts; inductor's own float32
-        # rsqrt/cos still differ from eager's in the last bit
+        # rsqrt still differs from eager's in the last bit
         if self.compiled_forward is not None and self._compile_mode == mode:
             return self  # already compiled so: several LLMs sharing this model share its graphs
         self.compiled_forward = torch.compile(self.forward_tensors, mode=mode, fullgraph=True,

@@ -30,7 +30,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import time
 import warnings
@@ -131,36 +130,6 @@ def read_chunk(row: dict) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------ replicas
-class InjectedFault(RuntimeError):
-    """Raised by a `Fault` hook (tests, drills)."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    """Fail one replica once, after it has decoded the block holding prompt `index`: `kind` "raise" raises
-    `InjectedFault`, "kill" SIGKILLs the replica's process (as the OOM killer or a lost node would). The
-    first replica to create the file `marker` (atomically, on its node) fires; later attempts do not."""
-
-    kind: str
-    index: int
-    marker: str
-
-    def __post_init__(self):
-        if self.kind not in ("raise", "kill"):
-            raise ValueError(f"Fault.kind must be 'raise' or 'kill', got {self.kind!r}")
-
-    def fire_once(self, indices: list[int]) -> None:
-        if self.index not in indices:
-            return
-        try:
-            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return
-        if self.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise InjectedFault(f"injected fault on the block holding prompt {self.index}")
-
-
 def request_error(llm, prompt_token_ids: list[int], params, index: int) -> str | None:
     """Why `llm` would refuse this one request (empty, out of vocabulary, too long for the context), or None."""
     try:
@@ -194,8 +163,7 @@ def metric_counters(metrics) -> dict:
 class Replica:
     """A Ray actor of the pool: loads one `LLM` when it starts, then decodes one block per call."""
 
-    def __init__(self, llm_kwargs: dict, sampling: dict, chat: bool = False, threads: int | None = None,
-                 faults: tuple[Fault, ...] = ()):
+    def __init__(self, llm_kwargs: dict, sampling: dict, chat: bool = False, threads: int | None = None):
         import torch
 
         from specdec import LLM
@@ -205,7 +173,6 @@ class Replica:
             torch.set_num_threads(threads)
         self.sampling = dict(sampling)  # SamplingParams fields; "seed" is the base seed (request i: seed + i)
         self.chat = chat
-        self.faults = faults  # failure drills (tests): each fires once per job
         # A user error while loading (a bad checkpoint, a missing tokenizer) is raised by the first call, not
         # here: Ray reports a constructor's exception as text only, a call's as the exception itself, which
         # the driver then prints as its one-line error.
@@ -242,8 +209,6 @@ class Replica:
                                        sampling_params=[params[j] for j in good])
             outputs = {j: o for j, o in zip(good, result)}
             metrics = json.dumps({"counters": metric_counters(result.metrics), "wall_s": result.metrics.wall_time_s})
-        for fault in self.faults:
-            fault.fire_once(indices)
         rows = []
         for j, index in enumerate(indices):
             o = outputs.get(j)
@@ -411,7 +376,10 @@ def add_counters(metrics, counters: dict) -> None:
             bucket = getattr(metrics, name)
             for key, v in value.items():
                 key = int(key) if name == "k_histogram" else key  # JSON made the k keys strings
-                bucket[key] = bucket.get(key, 0.0) + v
+                if isinstance(v, list):  # drafts_by_drafter: [proposed, accepted] per drafter, summed apart
+                    bucket[key] = [a + b for a, b in zip(bucket.get(key, [0] * len(v)), v)]
+                else:
+                    bucket[key] = bucket.get(key, 0.0) + v
         else:
             setattr(metrics, name, getattr(metrics, name) + value)
 

@@ -27,6 +27,7 @@ import torch
 
 from .autok import prepare_chooser
 from .batch import DecodeContext
+from .detokenizer import IncrementalDetokenizer
 from .invariants import check_invariants
 from .memory import check_cache_memory
 from .metrics import PhaseTimer, RunMetrics
@@ -35,7 +36,6 @@ from .sampling import SamplingParams
 from .speculative import decode_step
 from .strategies import SCHEDULERS
 
-INCOMPLETE = "\ufffd"  # what a decoder prints for an unfinished UTF-8 character or byte-fallback piece
 
 
 @dataclass
@@ -44,7 +44,8 @@ class RequestDelta:
 
     request_id: str
     token_ids: list[int]  # tokens emitted in this step
-    text: str  # their text, incrementally detokenized ("" until a printable piece is complete)
+    text: str  # their text, incrementally detokenized ("" until a printable piece is complete; with
+    # stream_text=False "" until the request finishes, then all of it)
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     num_prompt_tokens: int
@@ -52,18 +53,12 @@ class RequestDelta:
     output: RequestOutput | None = None  # the whole request, once finished
 
 
-def text_delta(full: str, sent: str, final: bool) -> str:
-    """The text to emit now, given the decoded output so far (`full`) and the text already emitted
-    (`sent`): what is new, less an unfinished UTF-8 character or byte-fallback piece at the end (held back
-    until it completes, or the request ends). Deltas therefore concatenate to the final text."""
-    shown = full if final else full.rstrip(INCOMPLETE)
-    return shown[len(sent):] if len(shown) > len(sent) and shown.startswith(sent) else ""
-
-
 class Engine:
     """Decodes the requests added to it, a step at a time, on an `LLM`'s models and options."""
 
-    def __init__(self, llm, batch_size: int | None = None):
+    def __init__(self, llm, batch_size: int | None = None, stream_text: bool = True):
+        """`stream_text`: detokenize every step's new tokens (streaming, the server); False: only when a
+        request finishes, once (`LLM.generate`, which reads only the final text)."""
         batch_size = llm.batch_size if batch_size is None else batch_size
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -89,6 +84,8 @@ class Engine:
         self._next_index = 0
         self._running = 0  # published by each step, for other threads
         self._checked = (0, 0)  # (rows, columns) whose caches were found to fit in memory
+        self.stream_text = stream_text
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # request id -> its text so far (streaming)
 
     # ------------------------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -207,8 +204,23 @@ class Engine:
         requests = self.scheduler.running() + list(self.scheduler.waiting)
         started = time.perf_counter()
         prepare_chooser(self.llm, chooser, requests, *self.llm.specs, rows)
-        self.metrics.calibration_s += time.perf_counter() - started  # start-up work, not decoding time
+        ended = time.perf_counter()
+        self.metrics.calibration_s += ended - started  # start-up work, not decoding time
         self._calibrated_rows = rows
+        self._exclude_from_request_times(started, ended)
+
+    def _exclude_from_request_times(self, started: float, ended: float) -> None:
+        """Keep start-up work (auto k's calibration, from `started` to `ended`) out of every unfinished request's
+        time to first token and latency, as it is kept out of the wall time: the request's times before it move
+        later by the part of it the request was there for (all of it for a request submitted before it)."""
+        with self._lock:
+            unfinished = [r for r in self._live.values() if not r.finished]
+        for r in unfinished:
+            overlap = ended - max(started, r.submitted_at)
+            if overlap > 0:
+                r.submitted_at += overlap
+                if r.first_token_at is not None:  # a running request's first token came before: its TTFT stays
+                    r.first_token_at += overlap
 
     def _deltas(self) -> list[RequestDelta]:
         deltas, tokenizer, chooser = [], self.llm.tokenizer, self.llm.chooser
@@ -221,10 +233,15 @@ class Engine:
                 continue
             r.reported = len(r.output_ids)
             text, full = "", None
-            if tokenizer is not None:
-                full = tokenizer.decode(r.output_ids)
-                text = text_delta(full, r.text_sent, r.finished)
-                r.text_sent += text
+            if tokenizer is not None:  # a few tokens per step (specdec/detokenizer.py), the whole output once
+                if r.finished:
+                    detokenizer = self._detokenizers.pop(rid, None) or IncrementalDetokenizer(tokenizer)
+                    text, full = detokenizer.finish(r.output_ids)
+                elif self.stream_text:
+                    detokenizer = self._detokenizers.get(rid)
+                    if detokenizer is None:
+                        detokenizer = self._detokenizers[rid] = IncrementalDetokenizer(tokenizer)
+                    text = detokenizer.step(r.output_ids)
             output = None
             if r.finished:
                 output = RequestOutput.from_request(r, None, full)

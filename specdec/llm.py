@@ -286,9 +286,10 @@ class LLM:
             return model
         return CombinedProposer(model, self._lookup_proposer(self.lookup), self.lookup_min_match)
 
-    def engine(self, batch_size: int | None = None) -> "Engine":
-        """An incremental `Engine` on this LLM's models (one at a time per LLM: they share auto k's state)."""
-        return Engine(self, batch_size)
+    def engine(self, batch_size: int | None = None, stream_text: bool = True) -> "Engine":
+        """An incremental `Engine` on this LLM's models (one at a time per LLM: they share auto k's state).
+        `stream_text=False`: each delta's text stays "" until its request finishes (nothing detokenized per step)."""
+        return Engine(self, batch_size, stream_text)
 
     def _add_all(self, engine, prompts, prompt_token_ids, sampling_params) -> list | None:
         """Add every prompt to `engine` (request i is "i"); returns the prompt texts (None for token ids)."""
@@ -328,7 +329,7 @@ class LLM:
         completion order), e.g. to stream results to a file while the rest is still decoding.
         `batch_size` overrides the LLM's for this call (e.g. to compare batch 1 with the same models).
         Runs on an `Engine`: every request added, then steps until all have finished."""
-        engine = self.engine(batch_size)
+        engine = self.engine(batch_size, stream_text=False)  # only the final texts are returned
         prompts = self._add_all(engine, prompts, prompt_token_ids, sampling_params)
         total = engine.num_waiting
         bar = None

@@ -43,10 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "replica (bitwise in float64; float32/bfloat16 with --batch-invariant). Without it, sampled "
                    "requests are rejection-sampled: exact in distribution, not reproducible")
     p.add_argument("--output", metavar="FILE.jsonl", help="one JSON line per request (prompt, text, token ids, "
-                   "accepted counts, latency), streamed to a hidden temporary beside FILE as requests finish and "
-                   "renamed into place, in prompt order, when the run succeeds (on a late failure or an interrupt the "
-                   "partial file of finished requests, whole JSON lines, is kept and named). Symlinks are written through; /dev/stdout, devices and FIFOs are streamed "
-                   "to directly, in completion order")
+                   "accepted counts, latency: the text and tokens are reproducible, greedy or with --seed; k, "
+                   "acceptance and timings vary from run to run, as auto k measures costs: docs/api.md), streamed "
+                   "to a hidden temporary beside FILE as requests finish and renamed into place, in prompt order, "
+                   "when the run succeeds (on a late failure or an interrupt the partial file of finished requests, "
+                   "whole JSON lines, is kept and named). Symlinks are written through; /dev/stdout, devices and "
+                   "FIFOs are streamed to directly, in completion order")
     p.add_argument("--compare-ar", action=argparse.BooleanOptionalAction, default=None,
                    help="also run AR decoding, report the exact-match rate and the speed-up "
                    "(default: on with the embedded pair, off otherwise)")

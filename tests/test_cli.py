@@ -6,6 +6,7 @@ import signal
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -165,6 +166,34 @@ def test_output_to_dev_stdout_streams_the_lines(pair, tmp_path, capfd):
     records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert sorted(r["index"] for r in records) == [0, 1, 2, 3]
     assert "streamed 4 requests to /dev/stdout" in out
+
+
+OUTPUT_CONTRACT = ("index", "prompt", "text", "token_ids", "prompt_token_ids", "finish_reason")
+OUTPUT_VARYING = ("accepted_counts", "speculative_tokens", "latency_s", "time_to_first_token_s")
+
+
+def test_output_tokens_are_reproducible_and_the_docs_say_what_varies(pair, tmp_path, capsys):
+    """The same seeded command twice (auto k, sampling, float64) writes the same text and tokens; docs/api.md's
+    `--output` and the --help say so, and name every other field of a line (k, acceptance, timings) as varying
+    from run to run."""
+    from specdec.run import build_parser, main
+
+    runs = []
+    for n in (1, 2):
+        output = tmp_path / f"run{n}.jsonl"
+        code = main(pair_args(pair, "--prompts", many_prompts(tmp_path, 6), "--max-tokens", "12", "-k", "auto",
+                              "--temperature", "0.8", "--seed", "7", "--dtype", "float64", "--output", str(output)))
+        assert code == 0, capsys.readouterr().err
+        runs.append([json.loads(line) for line in output.read_text().splitlines()])
+    assert set(runs[0][0]) == set(OUTPUT_CONTRACT + OUTPUT_VARYING)
+    assert [[r[f] for f in OUTPUT_CONTRACT] for r in runs[0]] == [[r[f] for f in OUTPUT_CONTRACT] for r in runs[1]]
+    api = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text(encoding="utf-8")
+    section = " ".join(api[api.index("**`--output FILE.jsonl`**"):api.index("- A symlink is written through")].split())
+    contract, varying = section.split("the contract")[0], section.split("vary between runs")[1]
+    assert all(f"`{f}`" in contract for f in OUTPUT_CONTRACT) and all(f"`{f}`" in varying for f in OUTPUT_VARYING)
+    assert "auto k" in varying
+    help_text = " ".join(build_parser().format_help().split())
+    assert "text and tokens are reproducible" in help_text and "timings vary from run to run" in help_text
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")

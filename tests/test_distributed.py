@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from checkpoints import make_pair, write_wordlevel_tokenizer
+from faults import Fault, faulty_replica
 from specdec import distributed
 from specdec.prompts import read_prompts
 from specdec.run import build_parser, main
@@ -102,13 +103,8 @@ def test_sampled_equals_the_single_process_run_through_a_killed_replica_and_a_ra
     request starts again from its own seed)."""
     root, base = workload
     killed, raised = tmp_path / "killed", tmp_path / "raised"
-    faults = (distributed.Fault("kill", 20, str(killed)), distributed.Fault("raise", 40, str(raised)))
-    stream_job = distributed.stream_job
-
-    def with_faults(ray, chunks, total, replica_kwargs, *args, **kwargs):
-        return stream_job(ray, chunks, total, {**replica_kwargs, "faults": faults}, *args, **kwargs)
-
-    monkeypatch.setattr(distributed, "stream_job", with_faults)
+    monkeypatch.setattr(distributed, "Replica", faulty_replica(Fault("kill", 20, str(killed)),
+                                                               Fault("raise", 40, str(raised))))
     records, stdout = run_cli(capsys, [*base, *DECODE, *SAMPLED, "--ray", "--replicas", "2"],
                               root / "ray-sampled.jsonl")
     assert killed.exists() and raised.exists()  # both drills fired (once each: the markers guard them)

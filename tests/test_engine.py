@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from specdec import LLM, SamplingParams
-from specdec.engine import INCOMPLETE, text_delta
+from specdec.detokenizer import INCOMPLETE, text_delta
 from specdec.models import load_tokenizer
 from specdec.prompts import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -171,6 +171,50 @@ def test_counts_and_errors(pair, reference):
     deltas = {d.request_id: d for d in engine.step()}
     assert deltas["r3"].finished and deltas["r3"].finish_reason == "abort"
     assert engine.num_waiting == 1
+
+
+SLOW_CALIBRATION_S = 0.5
+
+
+@pytest.fixture
+def slow_calibration(monkeypatch):
+    """Auto k's calibration made SLOW_CALIBRATION_S slower (it runs inside Engine.step)."""
+    import time
+
+    import specdec.engine
+
+    prepare = specdec.engine.prepare_chooser
+
+    def slow(*args, **kwargs):
+        time.sleep(SLOW_CALIBRATION_S)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(specdec.engine, "prepare_chooser", slow)
+
+
+def test_calibration_is_not_in_any_requests_ttft_or_latency(pair, reference, slow_calibration):
+    """Calibration is timed apart, as the wall time keeps it apart: a request waiting for it, running through
+    a later one (the batch grew), or arriving in its middle has none of it in its time to first token or latency
+    (what --metrics reports)."""
+    prompts, _, _ = reference
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outs = make_llm(pair, "ragged", "auto").generate(prompt_token_ids=prompts[:3], sampling_params=params)
+    assert outs.metrics.calibration_s >= SLOW_CALIBRATION_S
+    assert max(outs.metrics.ttfts_s) < SLOW_CALIBRATION_S
+    assert max(outs.metrics.latencies_s) < outs.metrics.wall_time_s + 0.25
+    assert sorted(outs.metrics.ttfts_s) == sorted(o.time_to_first_token_s for o in outs)
+
+    engine = make_llm(pair, "ragged", "auto").engine()
+    engine.add_request(prompts[0], SamplingParams(max_tokens=12, ignore_eos=True), request_id="first")
+    engine.step()  # calibrates for 1 row, then prefills "first"
+    engine.add_request(prompts[1], params, request_id="second")
+    engine.add_request(prompts[2], params, request_id="third")
+    outputs = {}
+    while engine.has_unfinished():  # the next step calibrates for 4 rows while "first" runs
+        outputs.update({d.request_id: d.output for d in engine.step() if d.finished})
+    assert engine.metrics.calibration_s >= 2 * SLOW_CALIBRATION_S
+    assert all(o.time_to_first_token_s < SLOW_CALIBRATION_S for o in outputs.values())
+    assert all(o.latency_s < engine.metrics.wall_time_s + 0.25 for o in outputs.values())
 
 
 # ------------------------------------------------------------------------------------------ streaming text

@@ -113,6 +113,36 @@ def test_draft_vocabulary_is_never_left(models):
     assert (logits[..., outside] == torch.finfo(logits.dtype).min).all()
 
 
+def test_built_through_the_transformer_constructor(models, monkeypatch):
+    """FeatureDraft runs Transformer.__init__: every field a Transformer sets (the runtime state: compiled
+    forward, numerics modes, RoPE table, ...) a draft has, with the same initial value; its own modules are
+    fc, the layers and the head, the target's embedding and norm stay borrowed (not in its state)."""
+    target, _ = models
+    from specdec.models.transformer import Transformer
+
+    calls = []
+    init = Transformer.__init__
+    def spy(self, *args, **kwargs):
+        calls.append(type(self))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Transformer, "__init__", spy)
+    draft = make_feature_draft(target)
+    assert calls == [FeatureDraft]
+    with torch.device("meta"):
+        plain = Transformer(draft.cfg, fused=True)
+    own = set(vars(plain)) - set(vars(torch.nn.Module()))  # what Transformer.__init__ itself sets
+    assert {"cfg", "compiled_forward", "_batch_invariant", "_rope_table"} <= own
+    for name in own - {"cfg"}:
+        assert name in vars(draft), f"FeatureDraft lacks Transformer's {name}"
+        assert vars(draft)[name] == vars(plain)[name], name
+    assert list(dict(draft.named_children())) == ["fc", "layers", "lm_head"]
+    assert draft.embed_tokens is target.embed_tokens and draft.norm is target.norm
+    assert not any(k.startswith(("embed_tokens.", "norm.")) for k in draft.state_dict())
+    cos, _ = draft.rope(torch.tensor([[0, 3]]), 8)  # the RoPE table, in the draft's dtype
+    assert cos.dtype == target.dtype and draft.rope_table(1)[0].shape[0] >= 8
+
+
 def test_save_load_round_trip_and_wrong_target(models, tmp_path, checkpoint_pairs, llama_pair):
     target, draft = models
     save_feature_draft(draft, tmp_path / "fd", target)

@@ -142,3 +142,18 @@ def test_feature_draft_steps_read_once(pair, method, monkeypatch):
               check_invariants=False, cost_cache="")
     steps = reads_per_step(llm, prompts, params, monkeypatch, arrive_at=[0, 0, 0, 1, 2, 2, 4, 6, 6, 7])
     assert all(reads == decoded + prefills for reads, prefills, decoded in steps), f"{method}: {steps}"
+
+
+@pytest.mark.parametrize("method", ["eqspec", "ragged", "exspec"])
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "model+suffix"])
+def test_lookup_steps_read_once(pair, method, drafter, monkeypatch):
+    """Drafts planned on the host (ngram, suffix, a lookup beside the model) go to the device, never back."""
+    target, draft = pair
+    prompts, params = mixed_requests(n=10, seed=3)
+    prompts = [p + p for p in prompts]  # repeats: the lookups find matches
+    kwargs = dict(draft=draft, lookup="suffix") if drafter.startswith("model") else dict(draft=drafter)
+    llm = LLM(target, method=method, num_speculative_tokens="auto", batch_size=4, check_invariants=False,
+              cost_cache="", **kwargs)
+    steps = reads_per_step(llm, prompts, params, monkeypatch, arrive_at=[0, 0, 0, 1, 2, 2, 4, 6, 6, 7])
+    assert all(reads == decoded + prefills for reads, prefills, decoded in steps), f"{method}: {steps}"
+    assert sum(d for _, _, d in steps) > 5

@@ -435,11 +435,11 @@ def test_check_weights_catches_overflow_of_the_conversion(ckpt):
 
 
 def test_count_non_finite_across_chunks_and_overflowing_sums(monkeypatch):
-    from specdec.models import loader
+    from specdec.models import finite
 
-    monkeypatch.setattr(loader, "FINITE_SCAN_ELEMENTS", 7)
+    monkeypatch.setattr(finite, "FINITE_SCAN_ELEMENTS", 7)
     x = torch.zeros(50, dtype=torch.bfloat16)
     x[[3, 6, 7, 49]] = torch.tensor([float("nan"), float("inf"), -float("inf"), float("nan")], dtype=torch.bfloat16)
-    assert loader.count_non_finite(x.view(5, 10)) == 4
+    assert finite.count_non_finite(x.view(5, 10)) == 4
     big = torch.full((50,), 60000.0, dtype=torch.float16)  # finite, but every chunk's float16 sum overflows
-    assert loader.count_non_finite(big) == 0
+    assert finite.count_non_finite(big) == 0

@@ -331,6 +331,47 @@ def test_rope_theta_top_level_or_nested(llama_variants):
     assert max_err_vs_hf(hf, seqs, ours) <= TOL
 
 
+def rope_per_forward(model, positions):
+    """cos, sin [B, 1, T, R] as the forward computed them before the table: float32 angles of these positions."""
+    freqs = positions[..., None].float() * model.inv_freq(positions.device)  # [B, T, R/2] float32
+    emb = freqs.repeat_interleave(2, dim=-1) if model.cfg.rope_interleaved else torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(model.dtype)[:, None], emb.sin().to(model.dtype)[:, None]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rope_table_equals_the_per_forward_angles(family_ckpt, family, dtype):
+    """The table's cos/sin are the bits the per-forward formula gives, at any position, before and after the
+    table grows (Llama/Qwen3 rotate halves, GLM-4 interleaved pairs of half the head)."""
+    model = load_model(family_ckpt(family)[1], dtype=dtype)
+    positions = torch.randint(0, 5000, (3, 17), generator=torch.Generator().manual_seed(0))  # [B, T]
+    for count in (64, 5000, 20000):  # positions beyond a short table: the table grows
+        small = positions % count
+        for got, want in zip(model.rope(small, count), rope_per_forward(model, small)):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    assert model.rope_table(1)[0].shape[0] >= 20000
+
+
+def test_rope_table_is_computed_once_per_model(family_ckpt, monkeypatch):
+    """Prefill and steps compute the RoPE angles once (they look positions up); a larger cache grows the table
+    once; another dtype recomputes it."""
+    _, d, _ = family_ckpt("llama")
+    model = load_model(d)
+    calls = []
+    inv_freq = model.inv_freq
+    monkeypatch.setattr(model, "inv_freq", lambda device: calls.append(device) or inv_freq(device))
+    prompts = random_prompts(model.vocab_size, seed=13)
+    run_steps(model, prompts, RAGGED)
+    run_steps(model, prompts, LEFT_PADDED)
+    assert len(calls) == 1
+    prefill(model, prompts, RAGGED, capacity=64 * 3)
+    prefill(model, prompts, RAGGED, capacity=64 * 2)
+    assert len(calls) == 2 and model.rope_table(1)[0].shape[0] == 64 * 3
+    model.to(torch.float64)
+    ref = logits_of(load_model(d, dtype="float64"), prompts)
+    assert torch.equal(logits_of(model, prompts), ref) and len(calls) == 3
+
+
 # --------------------------------------------------------------------------- loading
 
 

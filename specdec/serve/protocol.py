@@ -142,6 +142,8 @@ class CompletionRequest(_GenerationRequest):
                 raise ApiError(400, f"a list of {len(self.prompt)} prompts is not supported: send one prompt "
                                     f"per request", param="prompt", code="unsupported")
             self.prompt = self.prompt[0]
+        if self.prompt == "":  # token ids are refused empty by the type; text only here (BOS alone is no prompt)
+            raise ApiError(400, "prompt must not be empty: send at least one character or token id", param="prompt")
         return self
 
 
