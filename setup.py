@@ -13,10 +13,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["specdec", "specdec.strategies", "specdec.serve", "specdec.proposers", "specdec.kernels", "specdec.models"],
+    packages=["specdec", "specdec.schedulers", "specdec.serve", "specdec.proposers", "specdec.kernels", "specdec.models"],
     package_dir={
         "specdec": "specdec",
-        "specdec.strategies": "specdec/strategies",
+        "specdec.schedulers": "specdec/schedulers",
         "specdec.kernels": "kernels",
         "specdec.models": "models",
     },

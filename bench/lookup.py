@@ -192,7 +192,8 @@ def main(argv=None) -> int:
     names = list(llms)
     print(f"| category | {' | '.join(names)} | " + " | ".join(f"{n} / ar" for n in names if n != "ar") + " |")
     print("|---" * (2 * len(names)) + "|")
-    for category in [*dict.fromkeys(c for c, _ in prompts), "all"]:
+    categories = [f"batch {args.batch_size}"] if args.batch_size > 1 else [*dict.fromkeys(c for c, _ in prompts), "all"]
+    for category in categories:
         picked = [r for r in rows if category in ("all", r["category"])]
         rate = {n: [r["decode_tokens_per_s"] for r in picked if r["method"] == n] for n in names}
         ratios = []

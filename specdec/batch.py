@@ -30,7 +30,7 @@ import torch
 from specdec.models.cache import LEFT_PADDED, RAGGED
 
 from .metrics import PhaseTimer, RunMetrics
-from .options import EngineOptions
+from .options import EngineOptions, positions_needed
 from .request import Request
 from .sampling import RowParams, choose_tokens, probs_dtype
 
@@ -335,7 +335,7 @@ def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: 
 
 def required_capacity(requests: list[Request], k_max: int) -> int:
     """Columns a cache needs so that any of these requests runs to max_tokens with k_max drafts in flight."""
-    return max(len(r.prompt_ids) + r.params.max_tokens for r in requests) + k_max + 1
+    return max(positions_needed(len(r.prompt_ids), r.params.max_tokens, k_max) for r in requests)
 
 
 __all__ = ["Batch", "DecodeContext", "NonFiniteLogitsError", "LEFT_PADDED", "RAGGED", "finite_rows", "prefill",

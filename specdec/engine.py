@@ -31,10 +31,11 @@ from .detokenizer import IncrementalDetokenizer
 from .invariants import check_invariants
 from .memory import check_cache_memory
 from .metrics import PhaseTimer, RunMetrics
+from .options import positions_needed
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
 from .speculative import decode_step
-from .strategies import SCHEDULERS
+from .schedulers import SCHEDULERS
 
 
 
@@ -101,7 +102,7 @@ class Engine:
         ids = self.llm.prompt_ids(prompt, name)
         self.llm.check_request(ids, params, index, name)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.llm.eos_token_ids))
-        self._check_memory(len(ids) + params.max_tokens + self.ctx.k_max + 1)
+        self._check_memory(positions_needed(len(ids), params.max_tokens, self.ctx.k_max))
         rid = str(index) if request_id is None else str(request_id)
         request = Request(index, ids, params, frozenset(stop), request_id=rid)
         with self._lock:

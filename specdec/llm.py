@@ -17,10 +17,10 @@ from .devices import engine_device
 from .drafts import shipped_draft
 from .engine import Engine
 from .metrics import RunMetrics
-from .options import AUTO, EngineOptions
+from .options import AUTO, EngineOptions, positions_needed
 from .proposers import LOOKUPS, CombinedProposer, ModelProposer, NgramProposer, SuffixProposer, SuffixStore
 from .sampling import SamplingParams
-from .strategies import SCHEDULERS, SPECULATIVE
+from .schedulers import SCHEDULERS, SPECULATIVE
 
 METHODS = tuple(SCHEDULERS)
 DEFAULT_LOOKUP = "suffix"  # the drafter of a target with no draft given and none shipped (docs/benchmarks.md)
@@ -232,7 +232,7 @@ class LLM:
             raise ValueError(f"{name} is empty (no tokens)")
         if max(ids) >= self.vocab_size or min(ids) < 0:
             raise ValueError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size})")
-        need = len(ids) + params.max_tokens + self.options.k_max + 1
+        need = positions_needed(len(ids), params.max_tokens, self.options.k_max)
         if need > self.max_context:
             raise ValueError(
                 f"{name} has {len(ids)} tokens; with max_tokens={params.max_tokens} and k={self.options.k_max} "

@@ -10,6 +10,12 @@ from specdec.kernels.dispatch import BACKENDS
 AUTO = "auto"
 
 
+def positions_needed(prompt_tokens: int, max_tokens: int, k_max: int) -> int:
+    """Cache columns (and positions) a request needs: its prompt, max_tokens generated, and a verify pass of
+    k_max drafts in flight after its last token. The capacity rule, in one place."""
+    return prompt_tokens + max_tokens + k_max + 1
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     # k: drafts per step, or "auto" (chosen every step from measured costs and per-request acceptance)

@@ -8,7 +8,7 @@ import pytest
 
 from checkpoints import FAMILIES
 from specdec import LLM, SamplingParams
-from specdec.strategies import exspec
+from specdec.schedulers import exspec
 
 pytestmark = pytest.mark.slow  # not in the fast lane (pytest.ini)
 

@@ -15,8 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import specdec.engine as engine_module
-import specdec.strategies.continuous as continuous
-import specdec.strategies.exspec as exspec
+import specdec.schedulers.continuous as continuous
+import specdec.schedulers.exspec as exspec
 from specdec import LLM, SamplingParams
 
 SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero"}

@@ -103,7 +103,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_graph_sees_the_project():
     graph = import_graph()
     for module in ("specdec.models.loader", "specdec.models.gguf", "specdec.kernels.rejection", "specdec.engine",
-                   "specdec.serve.app", "specdec.strategies.exspec", "specdec.proposers", "bench.common",
+                   "specdec.serve.app", "specdec.schedulers.exspec", "specdec.proposers", "bench.common",
                    "bench.default_pair.train"):
         assert module in graph
     # relative, absolute, aliased (models/ -> specdec.models) and function-local imports are all edges

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from specdec.options import positions_needed
 from specdec.sampling import SamplingParams
 
 from .generation import Generation, collect, until_disconnect
@@ -153,7 +154,7 @@ def build_app(llm, engine, model_name: str, max_waiting: int) -> FastAPI:
         body = parse_request(ChatCompletionRequest, await request.body())
         check_model(body)
         prompt_ids = chat_prompt_ids(tokenizer, [m.as_template_message() for m in body.messages])
-        default = llm.max_context - len(prompt_ids) - llm.options.k_max - 1  # the rest of the context
+        default = llm.max_context - positions_needed(len(prompt_ids), 0, llm.options.k_max)  # the rest of the context
         params = sampling(body, body.output_limit, default)
         g = start(body, prompt_ids, params, "chatcmpl")
         ids = bool(body.return_token_ids)

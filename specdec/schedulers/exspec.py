@@ -24,6 +24,7 @@ from collections import deque
 import torch
 
 from ..batch import LEFT_PADDED, RAGGED, Batch, DecodeContext, prefill, required_capacity, row_params
+from ..options import positions_needed
 from ..speculative import realign_batch
 
 # Settings (EngineOptions): `realign_cost_ratio`, one row's realignment time over a step's fixed cost
@@ -202,7 +203,7 @@ class Pool:
         ctx = self.ctx
         lengths = self.target_lengths(slots)
         longest = max(lengths)
-        width = longest + ctx.k_max + 1  # room for the verify pass's k + 1 columns
+        width = positions_needed(longest, 0, ctx.k_max)  # room for the verify pass's k + 1 columns
         fold = fold_shift and not grouped
         offsets = [longest - n for n in lengths] if fold else [0] * len(slots)
         with ctx.timer.phase("realign" if fold else "other"):
