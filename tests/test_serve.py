@@ -257,12 +257,14 @@ def test_metrics_exposition(server, client):
 
 def test_a_server_drafting_with_suffix_answers_as_ar(tmp_path_factory, template_file):
     """`--draft suffix` (the server takes every drafter flag): outputs equal AR's, /metrics labels them."""
-    proc, url, _ = start_server(tmp_path_factory, template_file, "--draft", "suffix", "-k", "3")
+    proc, url, _ = start_server(tmp_path_factory, template_file, "--target", DEFAULT_TARGET, "--draft", "suffix",
+                                "-k", "3")
     try:
         api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        served = api.models.list().data[0].id
         ar = LLM(DEFAULT_TARGET, method="ar", batch_invariant=True)
         for prompt in PROMPTS[:2] * 2:  # asked twice: the second time the store has the first's output
-            r = api.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+            r = api.completions.create(model=served, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
             expected = ar.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS))[0].text
             assert r.choices[0].text == expected
         text = httpx.get(f"{url}/metrics").text

@@ -27,11 +27,11 @@ The protocol (every method is called by `specdec.speculative.decode_step`, once 
 `name` is what metrics and the server call it. Per-row state is the proposer's own, keyed by the Engine's
 request id and freed in `release`; one proposer belongs to one Engine (`LLM.new_proposer`).
 """
-from .base import LOOKUPS, Proposal, host_proposal, one_hot_probs
+from .base import LOOKUPS, LookupProposer, Proposal, host_proposal, one_hot_probs
 from .combined import CombinedProposer
 from .model import ModelProposer
 from .ngram import NgramProposer
 from .suffix import SuffixProposer, SuffixStore
 
-__all__ = ["LOOKUPS", "CombinedProposer", "ModelProposer", "NgramProposer", "Proposal", "SuffixProposer",
+__all__ = ["LOOKUPS", "CombinedProposer", "LookupProposer", "ModelProposer", "NgramProposer", "Proposal", "SuffixProposer",
            "SuffixStore", "host_proposal", "one_hot_probs"]

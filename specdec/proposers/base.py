@@ -44,3 +44,30 @@ def tokens_since(request, seen: int) -> list[int]:
     if seen < len(prompt):
         return prompt[seen:] + request.output_ids
     return request.output_ids[seen - len(prompt):]
+
+
+class LookupProposer:
+    """The part every proposer without a model shares: drafts planned per row on the host (`drafts`, the
+    subclass's), handed over as a one-hot Proposal, per-row state in `rows` (request id -> state) freed on
+    release. The accepted tokens need no `observe`: the state reads them from the request at the next step."""
+
+    uses_draft_model = False
+    name = "lookup"
+
+    def __init__(self):
+        self.rows: dict = {}  # request id -> the row's index (created at its first step)
+
+    def drafts(self, request, k_max: int) -> list[int]:
+        raise NotImplementedError
+
+    def plan(self, batch, k_max: int) -> list[list[int]]:
+        return [self.drafts(r, k_max) for r in batch.requests]
+
+    def propose(self, ctx, batch, k: int, noise, plan) -> Proposal:
+        return host_proposal(plan, k, batch.params, ctx.vocab_size, ctx.probs_dtype, ctx.device)
+
+    def observe(self, batch, k, seq_before, counts, num_accepted, kept=None) -> None:
+        pass
+
+    def release(self, request) -> None:
+        self.rows.pop(request.request_id, None)

@@ -8,7 +8,7 @@ n-gram sizes) dictionary updates and (ngram_max - ngram_min + 1) lookups, never 
 """
 from __future__ import annotations
 
-from .base import host_proposal, tokens_since
+from .base import LookupProposer, tokens_since
 
 
 class NgramIndex:
@@ -42,17 +42,16 @@ class NgramIndex:
         return []
 
 
-class NgramProposer:
+class NgramProposer(LookupProposer):
     """Prompt-lookup drafts per row; a row with no match offers none."""
 
-    uses_draft_model = False
     name = "ngram"
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4):
+        super().__init__()
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"ngram sizes must satisfy 1 <= ngram_min <= ngram_max, got {ngram_min} and {ngram_max}")
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
-        self.rows: dict[str, NgramIndex] = {}  # request id -> its index (created at its first step)
 
     def drafts(self, request, k_max: int) -> list[int]:
         index = self.rows.get(request.request_id)
@@ -60,15 +59,3 @@ class NgramProposer:
             index = self.rows[request.request_id] = NgramIndex(self.ngram_min, self.ngram_max)
         index.extend(tokens_since(request, len(index.seq)))
         return index.lookup(k_max)
-
-    def plan(self, batch, k_max: int) -> list[list[int]]:
-        return [self.drafts(r, k_max) for r in batch.requests]
-
-    def propose(self, ctx, batch, k: int, noise, plan):
-        return host_proposal(plan, k, batch.params, ctx.vocab_size, ctx.probs_dtype, ctx.device)
-
-    def observe(self, batch, k, seq_before, counts, num_accepted, kept=None) -> None:
-        pass  # the index reads the accepted tokens from the request at the next step
-
-    def release(self, request) -> None:
-        self.rows.pop(request.request_id, None)

@@ -25,7 +25,7 @@ import math
 import threading
 from collections import deque
 
-from .base import host_proposal, tokens_since
+from .base import LookupProposer, tokens_since
 
 
 class Node:
@@ -158,21 +158,20 @@ class RowTrie:
         self.active = self.trie.add(tokens, self.active)
 
 
-class SuffixProposer:
+class SuffixProposer(LookupProposer):
     """Suffix-decoding drafts per row (module docstring); `store` None: each row drafts from its own text."""
 
-    uses_draft_model = False
     name = "suffix"
 
     def __init__(self, store: SuffixStore | None = None, depth: int = 24, max_spec_factor: float = 1.0,
                  min_token_prob: float = 0.1):
+        super().__init__()
         if depth < 2:
             raise ValueError(f"suffix trie depth must be >= 2, got {depth}")
         self.store = store
         self.depth = depth
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
-        self.rows: dict[str, RowTrie] = {}  # request id -> its trie (created at its first step)
 
     def drafts(self, request, k_max: int) -> list[int]:
         row = self.rows.get(request.request_id)
@@ -188,17 +187,8 @@ class SuffixProposer:
                 best = shared
         return best
 
-    def plan(self, batch, k_max: int) -> list[list[int]]:
-        return [self.drafts(r, k_max) for r in batch.requests]
-
-    def propose(self, ctx, batch, k: int, noise, plan):
-        return host_proposal(plan, k, batch.params, ctx.vocab_size, ctx.probs_dtype, ctx.device)
-
-    def observe(self, batch, k, seq_before, counts, num_accepted, kept=None) -> None:
-        pass  # the trie reads the accepted tokens from the request at the next step
-
     def release(self, request) -> None:
         """A finished request's output joins the store (an aborted one's too: it is text the target wrote)."""
-        self.rows.pop(request.request_id, None)
+        super().release(request)
         if self.store is not None:
             self.store.add(request.output_ids)
