@@ -27,12 +27,18 @@ def one_hot_probs(tokens: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> 
     return probs.scatter_(2, tokens[..., None], 1.0)
 
 
+def padded_drafts(drafts: list[list[int]], k: int, device) -> tuple[torch.Tensor, list[int]]:
+    """Host draft lists as [B, k] int64 on the device, padded with token 0 past each row's length, and the
+    lengths (at most k)."""
+    lengths = [min(len(d), k) for d in drafts]
+    rows = [d[:k] + [0] * (k - n) for d, n in zip(drafts, lengths)]
+    return torch.tensor(rows, dtype=torch.int64).to(device), lengths  # [B, k]
+
+
 def host_proposal(drafts: list[list[int]], k: int, params, vocab_size: int, probs_dtype, device) -> Proposal:
     """A Proposal of host-side draft lists (lookup proposers): padded with token 0, one-hot distributions
     when some row samples by rejection."""
-    lengths = [min(len(d), k) for d in drafts]
-    rows = [d[:k] + [0] * (k - n) for d, n in zip(drafts, lengths)]
-    tokens = torch.tensor(rows, dtype=torch.int64).to(device)  # [B, k]
+    tokens, lengths = padded_drafts(drafts, k, device)  # [B, k]
     probs = one_hot_probs(tokens, vocab_size, probs_dtype) if params.any_rejection else None  # [B, k, V]
     return Proposal(tokens, torch.tensor(lengths, dtype=torch.int64).to(device), lengths, probs)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Proposal, one_hot_probs
+from .base import Proposal, one_hot_probs, padded_drafts
 
 
 class CombinedProposer:
@@ -28,9 +28,8 @@ class CombinedProposer:
             proposal.sources = [self.model.name] * len(plan)
             return proposal
         replaced = torch.tensor(self._replaced, device=proposal.tokens.device)  # [B] bool
-        lengths = [min(len(d), k) if r else k for d, r in zip(plan, self._replaced)]
-        rows = [d[:k] + [0] * (k - len(d[:k])) if r else [0] * k for d, r in zip(plan, self._replaced)]
-        looked_up = torch.tensor(rows, dtype=torch.int64).to(proposal.tokens.device)  # [B, k]
+        looked_up, found = padded_drafts(plan, k, proposal.tokens.device)  # [B, k]
+        lengths = [n if r else k for n, r in zip(found, self._replaced)]
         tokens = torch.where(replaced[:, None], looked_up, proposal.tokens)  # [B, k]
         length = torch.where(replaced, torch.tensor(lengths, device=tokens.device), proposal.length)  # [B]
         probs = proposal.probs
