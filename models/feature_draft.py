@@ -27,6 +27,7 @@ from torch import nn
 from . import numerics
 from .config import ModelConfig
 from .errors import CheckpointError
+from .quant import embedding_weight, linear_weight
 from .transformer import DecoderLayer, Transformer
 
 ARCHITECTURE = "SpecdecFeatureDraft"
@@ -52,7 +53,8 @@ def fingerprint(model: Transformer) -> str:
     bfloat16 loads of either)."""
     h = hashlib.sha256(json.dumps(dataclasses.asdict(model.cfg), sort_keys=True, default=str).encode())
     layer = model.layers[0]
-    for weight in (model.embed_tokens.weight, layer.mlp.down_proj.weight, model.layers[-1].mlp.down_proj.weight):
+    for weight in (embedding_weight(model.embed_tokens), linear_weight(layer.mlp.down_proj),
+                   linear_weight(model.layers[-1].mlp.down_proj)):
         sample = weight.detach()[:: max(1, weight.shape[0] // 64)].to("cpu", torch.bfloat16)  # [~64, E]
         sample = sample.to(torch.float32).contiguous()
         h.update(sample.numpy().tobytes())
@@ -76,7 +78,7 @@ class FeatureDraft(Transformer):
         self.fc = nn.Linear(2 * E, E, bias=True, dtype=target.dtype, device=target.device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, fused=True) for _ in range(cfg.num_layers)).to(
             dtype=target.dtype, device=target.device)
-        head = target.lm_head.weight.detach()  # [V, E]
+        head = linear_weight(target.lm_head, target.dtype).detach()  # [V, E] (dequantized if quantized)
         if draft_vocab is not None:
             draft_vocab = draft_vocab.to(device=target.device, dtype=torch.int64)  # [V']
             head = head.index_select(0, draft_vocab)  # [V', E]

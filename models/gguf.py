@@ -30,6 +30,7 @@ import torch
 from .config import ModelConfig
 from .errors import CheckpointError
 from .finite import check_finite
+from .quant import QuantRows, finish_loading, quantized_parameters
 from .transformer import Transformer, fusion_layout
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -252,6 +253,29 @@ def config_from_metadata(meta: dict, path: str) -> ModelConfig:
     )
 
 
+Q4_TYPES = {"Q4_0": 18, "Q4_1": 20}  # bytes per block of 32 weights
+
+
+def q4_codes(raw: np.ndarray, qtype: str):
+    """Q4_0 / Q4_1 rows as int4 codes (models/quant.py): raw uint8 [r, bytes per row] -> codes uint8 [r, K],
+    scales and zeros float32 [r, K/32], with w = (code - 8) * scale + zero exactly as the file means it.
+    A block is a float16 d (Q4_1: then a float16 m) and 16 bytes: weight j in the low nibble of byte j,
+    weight j + 16 in the high nibble. Q4_0: w = d (q - 8); Q4_1: w = d q + m = (q - 8) d + (m + 8 d)."""
+    size = Q4_TYPES[qtype]
+    r = raw.shape[0]
+    blocks = raw.reshape(r, -1, size)  # [r, G, bytes]
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)  # [r, G]
+    start = 2 if qtype == "Q4_0" else 4
+    qs = blocks[..., start: start + 16]  # [r, G, 16]
+    codes = np.concatenate((qs & 15, qs >> 4), axis=-1).reshape(r, -1)  # [r, K]
+    if qtype == "Q4_0":
+        zeros = np.zeros_like(d)
+    else:
+        m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)  # [r, G]
+        zeros = m + 8 * d
+    return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zeros)
+
+
 def unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K permutation. Its converter interleaves each head's two halves (HF rotates
     halves, llama.cpp rotates adjacent pairs): HF row r + h * D/2 of a head (h = 0, 1) becomes row 2r + h.
@@ -317,28 +341,55 @@ class GGUFTensors:
         except (ValueError, IndexError, OSError, TypeError) as err:
             raise CheckpointError(f"{self.path}: cannot dequantize tensor {t.name!r} ({t.qtype.name}): {err}") from None
 
-    def read_into(self, name: str, out: torch.Tensor) -> None:
-        """Dequantize weight `name` into `out` (its shape, any float dtype), a bounded chunk of rows at a
-        time, undoing llama.cpp's Q/K row permutation (llama architecture)."""
+    def _chunks(self, name: str):
+        """(first, last, permuted heads or None): the row chunks of 2-D weight `name`, bounded in elements;
+        whole heads at a time where llama.cpp's Q/K row permutation must be undone (llama architecture)."""
         shape = self.shape(name)
         rows = shape[0]
         permuted_heads = None
         if self.arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             permuted_heads = self.cfg.num_heads if ".q_proj." in name else self.cfg.num_kv_heads
-        if len(shape) == 1:
-            out.copy_(torch.from_numpy(self._rows(name, 0, 1)).reshape(shape))
-            self.file.release(self.names[name])
-            return
         if permuted_heads is not None:  # the permutation mixes rows within a head: whole heads at a time
             per_chunk = max(1, DEQUANT_CHUNK_ELEMENTS // (rows // permuted_heads * shape[1])) * (rows // permuted_heads)
         else:
             per_chunk = max(1, DEQUANT_CHUNK_ELEMENTS // int(np.prod(shape[1:])))
         for first in range(0, rows, per_chunk):
-            block = torch.from_numpy(self._rows(name, first, min(rows, first + per_chunk)))  # [rows, cols] float32
-            if permuted_heads is not None:
-                block = unpermute_rows(block, block.shape[0] * permuted_heads // rows)
-            out[first: first + block.shape[0]].copy_(block)
+            last = min(rows, first + per_chunk)
+            yield first, last, None if permuted_heads is None else (last - first) * permuted_heads // rows
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Dequantize weight `name` into `out` (its shape, any float dtype), a bounded chunk of rows at a
+        time, undoing llama.cpp's Q/K row permutation (llama architecture)."""
+        shape = self.shape(name)
+        if len(shape) == 1:
+            out.copy_(torch.from_numpy(self._rows(name, 0, 1)).reshape(shape))
+            self.file.release(self.names[name])
+            return
+        for first, last, heads in self._chunks(name):
+            block = torch.from_numpy(self._rows(name, first, last))  # [rows, cols] float32
+            if heads is not None:
+                block = unpermute_rows(block, heads)
+            out[first: last].copy_(block)
         self.file.release(self.names[name])
+
+    def read_quantized(self, name: str, rows: QuantRows, offset: int = 0, label: str | None = None) -> None:
+        """Weight `name` into the quantized rows `rows` from row `offset` on (a fused projection's part): Q4_0
+        and Q4_1 blocks as stored when `rows` is int4 (never dequantized), any other type dequantized a
+        bounded chunk at a time and quantized."""
+        t = self.names[name]
+        as_stored = rows.fmt == "int4" and t.qtype.name in Q4_TYPES
+        for first, last, heads in self._chunks(name):
+            if as_stored:
+                parts = q4_codes(self.file.raw_rows(t, first, last), t.qtype.name)  # codes [r, K], scales, zeros
+            else:
+                parts = (torch.from_numpy(self._rows(name, first, last)),)  # [r, K] float32
+            if heads is not None:
+                parts = tuple(unpermute_rows(p, heads) for p in parts)
+            if as_stored:
+                rows.add_codes(offset + first, *parts, label=label)
+            else:
+                rows.add_float(offset + first, parts[0], label)
+        self.file.release(t)
 
     def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(self.shape(name), dtype=dtype)
@@ -360,8 +411,10 @@ def gguf_name(hf: str) -> str:
 
 
 def load_gguf_model(path, dtype=torch.float32, device="cpu", fuse: bool = True,
-                    check_weights: bool = False) -> Transformer:
-    """Load a GGUF file into our Transformer (see the module docstring). `dtype` is a torch dtype."""
+                    check_weights: bool = False, quantize: str | None = None) -> Transformer:
+    """Load a GGUF file into our Transformer (see the module docstring). `dtype` is a torch dtype;
+    `quantize` "int8" / "int4" keeps the linear weights quantized (models/quant.py; Q4_0 / Q4_1 tensors as
+    stored when int4)."""
     path = os.fspath(path)
     device = torch.device(device)
     weights = GGUFTensors(path)
@@ -375,18 +428,25 @@ def load_gguf_model(path, dtype=torch.float32, device="cpu", fuse: bool = True,
     fused_names = {dst for dst, _, _ in layout.values()}
     placement = {name: (name, None) for name in params if name not in fused_names}
     placement.update({src: (dst, row) for src, (dst, row, _) in layout.items()})
+    quantized = quantized_parameters(model, quantize) if quantize else {}
     final: dict[str, torch.Tensor] = {}
+    rows: dict[str, QuantRows] = {}
     check_s = 0.0
     for name in sorted(weights.names):
         param, row = placement[name]
+        label = f"{path}: tensor {weights.names[name].name!r}"
+        if param in quantized:
+            if param not in rows:
+                rows[param] = QuantRows(quantized[param], tuple(params[param].shape), label, check_weights)
+            weights.read_quantized(name, rows[param], row or 0, label)
+            continue
         if param not in final:
             final[param] = torch.empty(params[param].shape, dtype=dtype, device=device)
         written = final[param] if row is None else final[param][row: row + weights.shape(name)[0]]
         weights.read_into(name, written)
         if check_weights:
-            check_s += check_finite(written, f"{path}: tensor {weights.names[name].name!r}")
-    model.load_state_dict(final, strict=not weights.tied, assign=True)
-    if weights.tied:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.weights_check_s = check_s if check_weights else None
-    return model.eval()
+            check_s += check_finite(written, label)
+    if check_weights:
+        check_s += sum(part.check_s for part in rows.values())
+    return finish_loading(model, final, rows, weights.tied, dtype, device, quantize,
+                          check_s if check_weights else None)

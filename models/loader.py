@@ -18,7 +18,8 @@ from safetensors import SafetensorError, safe_open
 from .config import ModelConfig, read_json
 from .errors import CheckpointError
 from .finite import check_finite
-from .gguf import load_gguf_model
+from .gguf import DEQUANT_CHUNK_ELEMENTS, load_gguf_model
+from .quant import QuantRows, check_format, finish_loading, quantized_parameters
 from .shard_reader import ShardReader
 from .transformer import Transformer, fusion_layout
 
@@ -85,15 +86,19 @@ def weight_files(path: str) -> dict[str, list[str] | None]:
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json found")
 
 
-def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_weights: bool = False) -> Transformer:
+def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_weights: bool = False,
+               quantize: str | None = None) -> Transformer:
     """Load an HF checkpoint directory (Llama/Vicuna, Qwen3, GLM-4) into our Transformer.
 
     `fuse` (default) loads q/k/v and gate/up into fused projections: same numbers, fewer matmuls.
     `check_weights` scans every weight, after conversion to `dtype`, for NaN/inf and raises naming the file
-    and key; the model's `weights_check_s` records the scan's seconds (None when not checked)."""
+    and key; the model's `weights_check_s` records the scan's seconds (None when not checked).
+    `quantize` "int8" / "int4" keeps the linear weights (and the embedding, int8) quantized, each quantized
+    a bounded chunk of rows at a time as it is read (models/quant.py); `dtype` is then the activations'."""
     path = os.fspath(path)
+    quantize = check_format(quantize)
     if path.endswith(".gguf") and not os.path.isdir(path):  # a llama.cpp file (models/gguf.py)
-        return load_gguf_model(path, resolve_dtype(dtype), device, fuse, check_weights)
+        return load_gguf_model(path, resolve_dtype(dtype), device, fuse, check_weights, quantize)
     cfg = ModelConfig.from_dir(path)
     dtype = resolve_dtype(dtype)
     device = torch.device(device)
@@ -109,6 +114,8 @@ def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_wei
     placement = {name: (name, None, tuple(p.shape)) for name, p in params.items() if name not in fused_names}
     placement.update(layout)
 
+    quantized = quantized_parameters(model, quantize) if quantize else {}
+    rows: dict[str, QuantRows] = {}  # quantized parameter name -> its rows, filled as the parts are read
     final: dict[str, torch.Tensor] = {}  # parameter name -> its tensor (filled in place)
     origin: dict[str, str] = {}  # checkpoint name -> file
     check_s = 0.0
@@ -141,6 +148,16 @@ def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_wei
                     if tuple(mapped.shape) != shape:
                         raise CheckpointError(
                             f"{file}: weight {key!r} has shape {tuple(mapped.shape)}, expected {shape}")
+                    if param in quantized:
+                        label = f"{file}: weight {key!r}"
+                        if param not in rows:
+                            rows[param] = QuantRows(quantized[param], tuple(params[param].shape), label, check_weights)
+                        step = max(1, DEQUANT_CHUNK_ELEMENTS // shape[1])
+                        for first in range(0, shape[0], step):  # bounded float32 temporaries
+                            rows[param].add_float((row or 0) + first, mapped[first: first + step].float(), label)
+                        del mapped
+                        origin[name] = file
+                        continue
                     if row is None and mapped.dtype == dtype and device.type == "cpu":
                         final[param] = written = mapped  # zero copy
                     else:
@@ -160,9 +177,7 @@ def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_wei
     if missing:
         shown = ", ".join(repr("model." + m if m != "lm_head.weight" else m) for m in missing[:5])
         raise CheckpointError(f"{path}: missing weight(s) {shown}{' ...' if len(missing) > 5 else ''}")
-    model.load_state_dict(final, strict=not tied, assign=True)
-    if tied:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.weights_check_s = check_s if check_weights else None
-    return model.eval()
+    if check_weights:
+        check_s += sum(part.check_s for part in rows.values())
+    return finish_loading(model, final, rows, tied, dtype, device, quantize, check_s if check_weights else None)
 

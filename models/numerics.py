@@ -30,6 +30,8 @@ from specdec.kernels.bi_attention import Workspace, bi_attention, chunk_plan, fi
 from specdec.kernels.bi_matmul import bi_linear, pack_weight
 from specdec.kernels.dispatch import choose_backend
 
+from .quant import QuantLinear
+
 # CPU float32 linear layers with M = B*T >= 2 rows: MKL's small-M GEMM costs ~M times its one-row GEMV
 # (M = 2..8 measured 1.8-2.9x the time of M = 1 at K = 384, N = 1536), oneDNN's blocked kernel on a
 # weight packed once stays nearly flat; the packed copy is extra memory, so it is on by default only up to:
@@ -85,7 +87,10 @@ def drop_packed_weights(model: nn.Module) -> None:
 
 def linear(layer: nn.Linear, x, invariant: bool, backend: str | None = None, packed: bool = False):
     """`layer(x)`, or its batch-invariant equivalent (same weights, a fixed summation order per row), or
-    with `packed` (ordinary mode, CPU float32, two or more rows) oneDNN on the layer's packed weight."""
+    with `packed` (ordinary mode, CPU float32, two or more rows) oneDNN on the layer's packed weight. A
+    quantized layer (models/quant.py) runs its own weight-only kernels, batch-invariant as they are."""
+    if isinstance(layer, QuantLinear):
+        return layer(x, invariant)
     if invariant:
         return bi_linear(x, layer.weight, layer.bias, packed=packed_weight(layer), backend=backend)
     if packed and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling():

@@ -259,11 +259,12 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        """The activations' dtype (the final norm's weight: never quantized, models/quant.py)."""
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     def inv_freq(self, device) -> torch.Tensor:
         """RoPE inverse frequencies [R/2] in float32, as HF computes them (linear scaling divides)."""

@@ -47,8 +47,11 @@ ENGINE_KWARGS = {
     "device": "device", "check_weights": "check_weights", "check_invariants": "check_invariants",
     "compile": "compile", "packed_weights": "packed_weights", "batch_invariant": "batch_invariant",
     "profile": "profile", "lookup": "lookup", "lookup_min_match": "lookup_min_match", "ngram_min": "ngram_min",
-    "ngram_max": "ngram_max", "suffix_store_tokens": "suffix_store_tokens",
+    "ngram_max": "ngram_max", "suffix_store_tokens": "suffix_store_tokens", "quantize": "quantize",
+    "draft_quantize": "draft_quantize",
 }
+
+QUANTIZE = ("int8", "int4")  # specdec.models.quant.FORMATS (tests/test_flags.py holds them equal)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str = "rows decoded together") -> None:
@@ -84,6 +87,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str = "rows dec
     p.add_argument("--window-size", type=positive_int, default=48, help="exspec: pool of live sequences")
     p.add_argument("--dtype", choices=("float64", "float32", "bfloat16", "float16"), default="float32",
                    help="weights and activations")
+    p.add_argument("--quantize", choices=QUANTIZE, help="keep the target's linear weights quantized: int8 per "
+                   "output channel, int4 in groups of 32 (a GGUF's Q4_0/Q4_1 tensors as stored); the embedding and "
+                   "head int8; --dtype is then the activations' (docs/api.md, 'Quantized weights')")
+    p.add_argument("--draft-quantize", choices=QUANTIZE, help="the same for the draft model (its own setting)")
     p.add_argument("--device", default="auto", help="auto (CUDA when a GPU is present, else the CPU), cpu, cuda "
                    "or cuda:N")
     p.add_argument("--check-weights", action="store_true", help="scan every loaded weight for NaN/inf (after "

@@ -11,6 +11,7 @@ import torch
 from specdec.models import CheckpointError, is_gguf, load_model, load_tokenizer
 from specdec.models.feature_draft import is_feature_draft, load_feature_draft
 from specdec.models.numerics import packing_pays, set_batch_invariant
+from specdec.models.quant import check_format
 
 from .autok import make_chooser
 from .devices import engine_device
@@ -69,7 +70,8 @@ class LLM:
                  realign_cost_ratio: float = 0.175, fold_shift: bool = False, compile: bool | None = None,
                  profile: bool = False, cost_cache: str | None = None, batch_invariant: bool = False,
                  packed_weights: bool | None = None, lookup: str | None = None, lookup_min_match: int = 2,
-                 ngram_min: int = 1, ngram_max: int = 4, suffix_store_tokens: int = 16384, proposer=None):
+                 ngram_min: int = 1, ngram_max: int = 4, suffix_store_tokens: int = 16384, proposer=None,
+                 quantize: str | None = None, draft_quantize: str | None = None):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
@@ -106,7 +108,8 @@ class LLM:
             raise ValueError(f"ngram_min ({ngram_min}) must be <= ngram_max ({ngram_max})")
         if isinstance(suffix_store_tokens, bool) or not isinstance(suffix_store_tokens, int) or suffix_store_tokens < 0:
             raise ValueError(f"suffix_store_tokens must be an int >= 0, got {suffix_store_tokens!r}")
-        self.target = self._model(target, dtype)
+        self.quantize = {"target": check_format(quantize), "draft": check_format(draft_quantize)}
+        self.target = self._model(target, dtype, self.quantize["target"])
         if speculative and draft is None and proposer is None:
             draft = shipped_draft(self.target)
             if draft is None:
@@ -134,11 +137,13 @@ class LLM:
         # the cross-request part of "suffix", shared by every Engine (and server request) of this LLM
         self.suffix_store = SuffixStore(suffix_store_tokens) if suffix_store_tokens else None
         self.specs = (target, draft)  # what the models were loaded from (auto k caches costs per checkpoint)
-        self.draft = self._model(draft, dtype) if speculative and draft is not None else None
+        self.draft = self._model(draft, dtype, self.quantize["draft"]) if speculative and draft is not None else None
         if batch_invariant:  # models/numerics.py; False leaves model objects as they are
             for model in (self.target, self.draft):
                 if model is not None:
                     set_batch_invariant(model, True)
+        elif self.quantize["draft"] and self.draft is not None:  # only the target's numbers must be invariant
+            self.draft.batch_invariant = False
         for spec, model in zip(self.specs, (self.target, self.draft)):
             if isinstance(spec, (str, os.PathLike)) or packed_weights is not None:  # None: a model object stays as it is
                 self._set_packed_weights(model, packed_weights)
@@ -182,11 +187,16 @@ class LLM:
         if packed or model.packed_linear:
             model.packed_linear = bool(packed)
 
-    def _model(self, spec, dtype):
+    def _model(self, spec, dtype, quantize=None):
         if isinstance(spec, (str, os.PathLike)) and is_feature_draft(spec):  # it borrows the target's tensors
             return load_feature_draft(spec, self.target)
         if isinstance(spec, (str, os.PathLike)):
-            return load_model(spec, dtype=dtype, device=self.device, check_weights=self.check_weights)
+            return load_model(spec, dtype=dtype, device=self.device, check_weights=self.check_weights,
+                              quantize=quantize)
+        if quantize is not None and getattr(spec, "quantize", None) != quantize:
+            raise ValueError(f"quantize={quantize!r} applies to checkpoints the LLM loads; this model object is "
+                             f"{getattr(spec, 'quantize', None) or 'not quantized'} (load it with "
+                             f"specdec.models.load_model(path, quantize={quantize!r}))")
         for attr in ("forward", "new_cache", "vocab_size"):
             if not hasattr(spec, attr):
                 raise TypeError(f"model object {type(spec).__name__} lacks {attr!r} (see docs/api.md, model protocol)")

@@ -1,0 +1,316 @@
+"""Weight-only quantized layers: int8 (per output channel) and int4 (groups of 32 along the input), kept
+quantized in memory and multiplied without a float copy of the weight.
+
+Formats (both dequantize as w = (code - offset) * scale + zero, per output row n and group g):
+- **int4**: codes 0..15, groups of `GROUP` = 32 inputs, a bfloat16 scale and zero per (n, g); offset 8.
+  llama.cpp's Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m) blocks are groups of 32 and map onto it exactly
+  (scale = d, zero = 0 or m + 8 d; the only rounding is d and m from float16 to bfloat16): a Q4 GGUF is
+  loaded as stored, never dequantized. Float weights are quantized with each group's min and max
+  (scale = (max - min) / 15), as gpt-fast does.
+- **int8**: codes -127..127, one bfloat16 scale per output row (symmetric, zero 0). Q8_0's blocks have a
+  scale per 32 inputs, which torch's int8 kernel cannot take: a Q8_0 row is dequantized one bounded chunk
+  at a time and re-quantized per row (the quality this costs is measured: docs/benchmarks.md).
+
+The matmul (`QuantLinear.forward`), with float32 or bfloat16 activations:
+- on the CPU, torch's weight-only kernels on the packed weight (`torch._weight_int4pack_mm_for_cpu`,
+  `torch._weight_int8pack_mm`), with bfloat16 activations and output: both take only bfloat16 scales, and
+  with float32 activations they ran 10-40x slower (bench/quantized.py). They compute each token row on its
+  own, so a row's result is the same bits whatever else is in the matmul (batch-invariant as they are,
+  asserted by tests/test_quant.py). They are used for every row count, prefill included: a second path for
+  long prompts (dequantize, then bfloat16 `F.linear`) would give a prompt's tokens other bits in a batch
+  than alone, and it only wins above ~300 rows.
+- other devices: dequantize to bfloat16, then `F.linear` (the torch reference of the same numbers).
+
+Exactness: the kernels round their inputs to bfloat16, which turns the last-bit differences of the ordinary
+float32 attention (its blocks depend on how many tokens share the forward) into bfloat16 steps: measured
+on SmolLM2-135M int4, AR at batch 1 and batch 4 then differed on 1 of 8 prompts within 48 tokens, and
+speculative output on 2. So a quantized model loads with its batch-invariant mode on (models/numerics.py;
+attention and SiLU in a fixed order, ~25% of a decode step here): greedy speculative output then equals the
+quantized target's AR output bit for bit. `model.batch_invariant = False` turns it off (a draft model does
+not need it: `LLM` turns it off there unless batch_invariant=True).
+
+The embedding and a tied head share one int8 table (`QuantEmbedding` looks up and dequantizes rows).
+Quantization happens while loading (models/loader.py, models/gguf.py build a `Quantizer`), a bounded chunk
+of rows at a time, so a float32 copy of the model is never held.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import CheckpointError
+from .finite import check_finite
+
+FORMATS = ("int8", "int4")
+GROUP = 32  # int4: inputs per (scale, zero) group, llama.cpp's Q4 block size
+INT4_OFFSET = 8
+INT4_ROW_MULTIPLE = 16  # torch's CPU int4 layout packs output rows in sixteens
+COMPUTE_DTYPE = torch.bfloat16  # the activations and scales the weight-only kernels take
+
+
+class QuantizationError(ValueError):
+    """A weight that cannot be quantized as asked (one line naming the tensor)."""
+
+
+def check_format(fmt) -> str | None:
+    if fmt in (None, "none"):
+        return None
+    if fmt not in FORMATS:
+        raise ValueError(f"quantize must be one of {FORMATS} or None, got {fmt!r}")
+    return fmt
+
+
+# ------------------------------------------------------------------------------------------ quantizing rows
+def quantize_int4_rows(w: torch.Tensor):
+    """w [N, K] float (K % GROUP == 0) -> codes uint8 [N, K] (0..15), scales and zeros float32 [N, K/GROUP]:
+    each group's [min, max] mapped onto 0..15, w ~ (code - 8) * scale + zero."""
+    N, K = w.shape
+    g = w.float().reshape(N, K // GROUP, GROUP)  # [N, G, 32]
+    lo, hi = g.amin(-1), g.amax(-1)  # [N, G]
+    scale = ((hi - lo) / 15).clamp_min(1e-10)  # a constant group gets a tiny scale and codes 0
+    scale = scale.to(COMPUTE_DTYPE).float()  # the scale and zero the kernel will use: codes chosen against them
+    zero = (lo + INT4_OFFSET * scale).to(COMPUTE_DTYPE).float()  # w = code * scale + lo = (code - 8) * scale + zero
+    codes = torch.round((g - zero[..., None]) / scale[..., None] + INT4_OFFSET).clamp_(0, 15)  # [N, G, 32]
+    return codes.to(torch.uint8).reshape(N, K), scale, zero
+
+
+def quantize_int8_rows(w: torch.Tensor):
+    """w [N, K] float -> codes int8 [N, K] (-127..127) and scales float32 [N] (max |w| / 127 per row)."""
+    w = w.float()
+    scale = (w.abs().amax(-1) / 127).clamp_min(1e-10).to(COMPUTE_DTYPE).float()  # [N]
+    codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # [N, K]
+    return codes, scale
+
+
+def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype=torch.float32):
+    """codes uint8 [N, K], scales/zeros [N, K/GROUP] -> w [N, K] in `dtype` (computed in `dtype`)."""
+    N, K = codes.shape
+    c = codes.reshape(N, K // GROUP, GROUP).to(dtype)  # [N, G, 32]
+    w = (c - INT4_OFFSET) * scales.to(dtype)[..., None] + zeros.to(dtype)[..., None]
+    return w.reshape(N, K)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [N, K] (0..15) -> [N, K/2]: element 2j in the low nibble of byte j, 2j+1 in the high."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_nibbles`: [N, K/2] -> codes uint8 [N, K]."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+# ------------------------------------------------------------------------------------------ modules
+class QuantLinear(nn.Module):
+    """A linear layer y = x W^T + b whose W is int8 or int4 (see the module docstring).
+
+    On the CPU an int4 weight is held only in torch's packed layout (`packed` [N, K/2] uint8 and
+    `scales_zeros` [K/32, N, 2]); elsewhere as nibbles (`nibbles` [N, K/2]: weight 2j in the low nibble of
+    byte j) with `scales` and `zeros` [N, K/32]. An int8 weight is `codes` [N, K] and `scales` [N]."""
+
+    def __init__(self, fmt: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        self.format = fmt
+        self.out_features, self.in_features = codes.shape
+        self.on_cpu = codes.device.type == "cpu"
+        if fmt == "int4":
+            scales, zeros = scales.to(COMPUTE_DTYPE), zeros.to(COMPUTE_DTYPE)  # [N, G] each
+            if self.on_cpu:  # the kernel takes N % 16 == 0: zero rows pad it, their outputs are dropped
+                pad = -self.out_features % INT4_ROW_MULTIPLE
+                codes, scales, zeros = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scales, zeros))
+                self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2),
+                                     persistent=False)  # [N', K/2] uint8, torch's own layout
+                self.register_buffer("scales_zeros", torch.stack((scales.t(), zeros.t()), dim=-1).contiguous(),
+                                     persistent=False)  # [G, N', 2]
+            else:
+                self.register_buffer("nibbles", pack_nibbles(codes), persistent=False)  # [N, K/2] uint8
+                self.register_buffer("scales", scales, persistent=False)
+                self.register_buffer("zeros", zeros, persistent=False)
+        elif fmt == "int8":
+            self.register_buffer("codes", codes.contiguous(), persistent=False)  # [N, K] int8
+            self.register_buffer("scales", scales.to(COMPUTE_DTYPE), persistent=False)  # [N]
+        else:
+            raise ValueError(f"unknown quantized format {fmt!r}")
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def extra_repr(self) -> str:
+        return f"{self.format}, in_features={self.in_features}, out_features={self.out_features}"
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a step reads for this weight (codes, scales and zeros)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """W [N, K] in `dtype`: the values the kernels multiply by. On the CPU an int4 weight is read back
+        through the kernel itself (x = the identity: one row per input, each giving one column of W exactly
+        as the kernel forms it); for checks and one-off copies (a feature draft's head), not for steps."""
+        if self.format == "int8":
+            return self.codes.to(dtype) * self.scales.to(dtype)[:, None]
+        if self.on_cpu:
+            eye = torch.eye(self.in_features, dtype=COMPUTE_DTYPE)  # [K, K]
+            out = torch._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_zeros)  # [K, N']
+            return out[:, : self.out_features].t().to(dtype)
+        return dequantize_int4(unpack_nibbles(self.nibbles), self.scales, self.zeros, dtype)
+
+    def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """y [..., N] in x's dtype. One path for every row count (each row computed on its own), so a
+        token's result never depends on what else is in the matmul; `invariant` needs nothing more."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE).contiguous()  # [M, K]
+        if not self.on_cpu:
+            out = F.linear(x2, self.dequantize(COMPUTE_DTYPE))  # [M, N]: the reference path
+        elif self.format == "int4":
+            out = torch._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)  # [M, N']
+            if out.shape[1] != self.out_features:
+                out = out[:, : self.out_features]
+        else:
+            out = torch._weight_int8pack_mm(x2, self.codes, self.scales)  # [M, N]
+        out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table held as int8 rows with a scale each (shared with a tied `QuantLinear` head)."""
+
+    def __init__(self, head: QuantLinear, dtype: torch.dtype):
+        super().__init__()
+        if head.format != "int8":
+            raise ValueError("a quantized embedding is int8")
+        self.table = head  # a submodule: a tied head is this same module (its buffers, one copy)
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table.codes[input_ids].to(self.dtype)  # [..., E]
+        return rows * self.table.scales[input_ids].to(self.dtype)[..., None]
+
+    @property
+    def weight_bytes(self) -> int:
+        return 0  # a step reads only the rows it looks up
+
+
+def linear_weight(layer: nn.Module, dtype=None) -> torch.Tensor:
+    """A linear layer's weight [N, K] as floats (dequantized for a `QuantLinear`)."""
+    if isinstance(layer, QuantLinear):
+        return layer.dequantize(dtype or torch.float32)
+    return layer.weight if dtype is None else layer.weight.to(dtype)
+
+
+def embedding_weight(embedding: nn.Module) -> torch.Tensor:
+    """An embedding's table [V, E] as floats (dequantized for a `QuantEmbedding`)."""
+    if isinstance(embedding, QuantEmbedding):
+        return embedding.table.dequantize(embedding.dtype)
+    return embedding.weight
+
+
+# ------------------------------------------------------------------------------------------ while loading
+class QuantRows:
+    """The quantized rows of one weight, filled a chunk of rows at a time (rows of fused parts included)."""
+
+    def __init__(self, fmt: str, shape: tuple[int, int], name: str, check: bool = False):
+        N, K = shape
+        if fmt == "int4" and K % GROUP:
+            raise QuantizationError(f"{name}: int4 needs an input size divisible by {GROUP}, got {K}")
+        self.fmt, self.shape, self.name = fmt, shape, name
+        groups = K // GROUP if fmt == "int4" else 1
+        self.codes = torch.empty(N, K, dtype=torch.uint8 if fmt == "int4" else torch.int8)
+        self.scales = torch.empty(N, groups) if fmt == "int4" else torch.empty(N)
+        self.zeros = torch.empty(N, groups) if fmt == "int4" else None
+        self.filled = 0
+        self.check = check  # `check_weights`: NaN/inf in a part's floats (or a Q4 block's scales) is an error
+        self.check_s = 0.0
+
+    def add_float(self, first: int, w: torch.Tensor, label: str | None = None) -> None:
+        """Quantize float rows w [r, K] into rows first..first+r-1 (`label`: the source tensor, for errors)."""
+        if self.check:
+            self.check_s += check_finite(w, label or self.name)
+        if self.fmt == "int4":
+            self.add_codes(first, *quantize_int4_rows(w))
+        else:
+            self.add_codes(first, *quantize_int8_rows(w))
+
+    def add_codes(self, first: int, codes, scales, zeros=None, label: str | None = None) -> None:
+        """Rows already quantized in this format (a GGUF's Q4 blocks): codes [r, K], scales (and zeros)."""
+        if self.check and label is not None:
+            self.check_s += check_finite(scales, label) + (check_finite(zeros, label) if zeros is not None else 0.0)
+        r = codes.shape[0]
+        self.codes[first: first + r] = codes
+        self.scales[first: first + r] = scales
+        if self.zeros is not None:
+            self.zeros[first: first + r] = zeros
+        self.filled += r
+
+    @property
+    def complete(self) -> bool:
+        return self.filled >= self.shape[0]
+
+    def module(self, bias=None, device="cpu") -> QuantLinear:
+        dev = torch.device(device)
+        zeros = None if self.zeros is None else self.zeros.to(dev)
+        return QuantLinear(self.fmt, self.codes.to(dev), self.scales.to(dev), zeros, bias)
+
+
+def quantized_parameters(model: nn.Module, fmt: str) -> dict[str, str]:
+    """The weights a model quantized to `fmt` keeps quantized: parameter name -> its format. Every linear
+    layer's weight in `fmt`; the embedding and the head int8 whatever `fmt` is (int4 there costs the most
+    quality; llama.cpp's Q4 files keep the embedding at Q8_0 too)."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            out[f"{name}.weight"] = "int8" if name == "lm_head" else fmt
+        elif isinstance(module, nn.Embedding):
+            out[f"{name}.weight"] = "int8"
+    return out
+
+
+def install_quantized(model: nn.Module, rows: dict[str, QuantRows], floats: dict[str, torch.Tensor], device,
+                      dtype: torch.dtype, tied: bool) -> None:
+    """Replace each quantized weight's module of `model` (built on the meta device) by its quantized module
+    (a linear layer's float bias, from `floats`, goes with it); a tied head and the embedding share one
+    table. The remaining float parameters are the caller's to load."""
+    head_name = "lm_head.weight"
+    embed_name = "embed_tokens.weight"
+    modules = dict(model.named_modules())
+    built: dict[str, QuantLinear] = {}
+    for name, part in rows.items():
+        if not part.complete:
+            raise QuantizationError(f"{name}: {part.filled} of {part.shape[0]} rows written")
+        module_name = name.rsplit(".", 1)[0]
+        bias = floats.pop(f"{module_name}.bias", None)
+        built[name] = part.module(bias, device)
+    for name, layer in built.items():
+        module_name = name.rsplit(".", 1)[0]
+        if name == embed_name:
+            continue
+        parent, _, attr = module_name.rpartition(".")
+        setattr(modules[parent] if parent else model, attr, layer)
+    if embed_name in built:
+        table = built[embed_name]
+        model.embed_tokens = QuantEmbedding(table, dtype)
+        if tied:
+            model.lm_head = table
+
+
+def finish_loading(model: nn.Module, floats: dict, rows: dict[str, QuantRows], tied: bool, dtype, device,
+                   quantize: str | None, check_s: float | None) -> nn.Module:
+    """Put the loaded weights into `model` (built on the meta device; shared by both loaders): the quantized
+    modules first (`install_quantized`), then the float parameters; a float tied head shares the embedding.
+    A parameter left on the meta device is an error (nothing half-loaded is returned)."""
+    if rows:
+        install_quantized(model, rows, floats, device, dtype, tied)
+    model.load_state_dict(floats, strict=not tied and not rows, assign=True)
+    if tied and not rows:
+        model.lm_head.weight = model.embed_tokens.weight
+    unset = [name for name, p in model.named_parameters() if p.is_meta]
+    if unset:
+        raise CheckpointError(f"weights not loaded: {', '.join(unset[:5])}")
+    model.weights_check_s = check_s
+    model.quantize = quantize if rows else None
+    if rows:  # see the module docstring ("Exactness"): the ops around the bfloat16 roundings must be invariant
+        model.batch_invariant = True
+    return model.eval()

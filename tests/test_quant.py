@@ -1,0 +1,229 @@
+"""Weight-only quantized models (models/quant.py): the GGUF Q4 blocks taken as stored, int8/int4 quantization
+within its rounding, the kernels row-invariant, loading bounded and strict, and speculative output equal
+to the same quantized target's AR output for every method and drafter."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from checkpoints import build_hf_model, make_pair
+from real_model import write_gguf
+from specdec import LLM, SamplingParams
+from specdec.models import load_model
+from specdec.models.errors import CheckpointError
+from specdec.models.gguf import Q4_TYPES, q4_codes
+from specdec.models.quant import (FORMATS, GROUP, QuantEmbedding, QuantizationError, QuantLinear, QuantRows,
+                                  dequantize_int4, quantize_int4_rows, quantize_int8_rows)
+
+gguf = pytest.importorskip("gguf")
+BF16_EPS = 2.0 ** -8  # bfloat16's relative rounding step (8 significand bits)
+
+
+def bf16_tolerance(x, w):
+    """A bound on |x W^T| errors from rounding x and the product to bfloat16: a few steps of |x| |W|^T."""
+    return 4 * BF16_EPS * (x.abs() @ w.abs().t()) + 1e-6
+
+
+@pytest.mark.parametrize("qtype", sorted(Q4_TYPES))
+def test_q4_blocks_as_stored_equal_the_gguf_library_dequantization(qtype):
+    w = torch.randn(48, 4 * GROUP).numpy()  # [N, K]
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])  # uint8 [N, bytes]
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])).float()
+    codes, scales, zeros = q4_codes(raw, qtype)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+    assert torch.equal(dequantize_int4(codes, scales, zeros), reference)  # the file's numbers exactly
+    layer = QuantLinear("int4", codes, scales, zeros)
+    # the kernel's scales are bfloat16 (the one rounding taken on the file's float16 d and m), and so is its
+    # output (what `dequantize` reads back)
+    tol = (8 * scales.abs().repeat_interleave(GROUP, 1) + zeros.abs().repeat_interleave(GROUP, 1)
+           + reference.abs()) * 2 * BF16_EPS
+    assert ((layer.dequantize() - reference).abs() <= tol + 1e-7).all()
+    x = torch.randn(5, 4 * GROUP)
+    assert ((layer(x) - x @ reference.t()).abs() <= bf16_tolerance(x, reference) + x.abs() @ tol.t()).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantization_error_is_within_half_a_step(fmt):
+    w = torch.randn(40, 3 * GROUP) * torch.linspace(0.1, 3, 40)[:, None]  # rows of different ranges
+    if fmt == "int4":
+        codes, scales, zeros = quantize_int4_rows(w)
+        back = dequantize_int4(codes, scales, zeros)
+        step = scales.repeat_interleave(GROUP, 1) + 2 * zeros.abs().repeat_interleave(GROUP, 1) * BF16_EPS
+    else:
+        codes, scales = quantize_int8_rows(w)
+        back = codes.float() * scales[:, None]
+        step = scales[:, None].expand_as(w)
+    assert ((back - w).abs() <= step * (0.5 + 1e-3) + w.abs() * BF16_EPS).all()
+    layer = QuantLinear(fmt, codes, scales, zeros if fmt == "int4" else None)
+    assert torch.allclose(layer.dequantize(), back, rtol=2 * BF16_EPS, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernels_compute_every_row_on_its_own(fmt):
+    """A token's output is the same bits alone and among others (what batch invariance needs)."""
+    w = torch.randn(96, 64)
+    rows = QuantRows(fmt, (96, 64), "w")
+    rows.add_float(0, w)
+    layer = rows.module(bias=torch.randn(96))
+    x = torch.randn(13, 64)
+    full = layer(x)  # [13, 96]
+    for m in (1, 2, 5, 13):
+        assert torch.equal(layer(x[:m]), full[:m])
+    assert torch.equal(torch.cat([layer(x[i: i + 1]) for i in range(13)]), full)
+    assert torch.equal(layer(x.view(1, 13, 64))[0], full)  # any leading shape
+
+
+def test_int4_needs_whole_groups_and_says_which_tensor():
+    with pytest.raises(QuantizationError, match="blk.0.ffn_down.*divisible by 32"):
+        QuantRows("int4", (8, 48), "model.gguf: tensor 'blk.0.ffn_down.weight'")
+
+
+def hidden_states_agree(quantized, reference, ids, top1: float, rel: float):
+    """The quantized model's logits near the float model's: top-1 agreement, and the relative error."""
+    with torch.no_grad():
+        a = quantized(torch.tensor([ids]), quantized.new_cache(1, len(ids)))[0]  # [T, V]
+        b = reference(torch.tensor([ids]), reference.new_cache(1, len(ids)))[0]
+    agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    assert agree >= top1, f"top-1 agreement {agree:.2f}"
+    error = ((a - b).norm() / b.norm()).item()
+    assert error <= rel, f"relative error {error:.3f}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_safetensors_checkpoint_quantized_at_load(llama_pair, fmt):
+    target, _ = llama_pair
+    ref = load_model(target)
+    model = load_model(target, quantize=fmt)
+    assert model.quantize == fmt and model.batch_invariant
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears == []  # every linear weight is quantized: no float copy is kept
+    assert isinstance(model.embed_tokens, QuantEmbedding) and model.lm_head.format == "int8"
+    assert model.layers[0].mlp.gate_up_proj.format == fmt
+    ids = [5, 17, 3, 99, 42, 7, 1, 130, 8, 8, 64]
+    hidden_states_agree(model, ref, ids, top1=0.7, rel=0.35 if fmt == "int4" else 0.03)  # 4 bits: ~8% weight error
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16"])
+def test_gguf_quantized_types_load_quantized(tmp_path, qtype):
+    hf = build_hf_model("llama", seed=1, hidden_size=64, intermediate_size=96)
+    path = tmp_path / f"llama-{qtype}.gguf"
+    write_gguf(path, hf.config, hf.state_dict(), qtype=gguf.GGMLQuantizationType[qtype])
+    floats = load_model(path)  # the file dequantized to float32: the reference
+    model = load_model(path, quantize="int4")
+    for name in ("layers.0.self_attn.qkv_proj", "layers.2.mlp.gate_up_proj", "layers.1.mlp.down_proj"):
+        layer = model.get_submodule(name)
+        want = floats.get_submodule(name).weight
+        err = (layer.dequantize() - want).abs().max().item()
+        if qtype.startswith("Q4"):  # as stored: only the scales' bfloat16 rounding
+            assert err <= 4 * BF16_EPS * want.abs().max().item(), f"{name}: {err}"
+        else:  # quantized from floats: half a step of a group's range / 15
+            assert err <= want.abs().max().item() / 15, f"{name}: {err}"
+    if qtype.startswith("Q4"):  # the same weights as the float load, to bfloat16 rounding
+        hidden_states_agree(model, floats, [5, 17, 3, 99, 42, 7, 1, 100], top1=0.75, rel=0.03)
+
+
+def test_llama_qk_permutation_is_undone_on_quantized_rows(tmp_path):
+    """A Q4 file's Q/K rows as stored are llama.cpp's order: the codes, scales and zeros move with them."""
+    hf = build_hf_model("llama", seed=4, hidden_size=64, intermediate_size=96)
+    path = tmp_path / "llama-q41.gguf"
+    write_gguf(path, hf.config, hf.state_dict(), qtype=gguf.GGMLQuantizationType.Q4_1)
+    floats, model = load_model(path), load_model(path, quantize="int4")
+    want = floats.layers[1].self_attn.qkv_proj.weight
+    got = model.layers[1].self_attn.qkv_proj.dequantize()
+    assert (got - want).abs().max() <= 4 * BF16_EPS * want.abs().max()
+
+
+def test_untied_head_and_biases_quantize(tmp_path):
+    target = make_pair("glm4", tmp_path)[0]  # attention biases; untied head
+    ref, model = load_model(target), load_model(target, quantize="int8")
+    assert model.layers[0].self_attn.qkv_proj.bias is not None and model.lm_head is not model.embed_tokens
+    hidden_states_agree(model, ref, [5, 17, 3, 99, 42, 7, 1, 100], top1=0.75, rel=0.06)
+
+
+def test_bad_quantize_values_are_one_line(llama_pair):
+    target, _ = llama_pair
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        load_model(target, quantize="int3")
+    model = load_model(target)
+    with pytest.raises(ValueError, match="this model object is not quantized"):
+        LLM(model, method="ar", quantize="int4")
+
+
+def test_check_weights_scans_the_quantized_scales(tmp_path):
+    hf = build_hf_model("llama", seed=1)
+    with torch.no_grad():
+        hf.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
+    path = tmp_path / "nan"
+    hf.save_pretrained(str(path))
+    with pytest.raises(CheckpointError, match="mlp.up_proj.*non-finite"):
+        load_model(path, quantize="int4", check_weights=True)
+
+
+# ------------------------------------------------------------------------------------------ exactness
+PARAMS = SamplingParams(max_tokens=24)
+
+
+def prompts(n=6, vocab=131, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        base = rng.integers(3, vocab, size=int(rng.integers(4, 20))).tolist()
+        out.append(base + base[: int(rng.integers(0, len(base)))] if i % 2 else base)  # planted repeats
+    return out
+
+
+@pytest.fixture(scope="module")
+def quantized_pair(tmp_path_factory):
+    return make_pair("llama", tmp_path_factory.mktemp("quant-pair"), seed=3)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculative_equals_quantized_ar(quantized_pair, fmt, dtype):
+    target, draft = quantized_pair
+    ids = prompts()
+    kwargs = dict(quantize=fmt, dtype=dtype, check_invariants=True)
+    if dtype == "bfloat16":
+        kwargs["batch_invariant"] = True
+    reference = [o.token_ids for o in LLM(target, method="ar", batch_size=1, **kwargs).generate(
+        prompt_token_ids=ids, sampling_params=PARAMS)]
+    cases = [("eqspec", draft, 3, 4, {"draft_quantize": fmt}), ("ragged", draft, "auto", 3, {}),
+             ("exspec", draft, 2, 2, {}), ("ragged", "suffix", "auto", 4, {}), ("eqspec", "ngram", 4, 3, {})]
+    for method, drafter, k, batch, extra in cases:
+        llm = LLM(target, drafter, method=method, num_speculative_tokens=k, batch_size=batch,
+                  window_size=max(batch, 4), **kwargs, **extra)
+        outs = llm.generate(prompt_token_ids=ids, sampling_params=PARAMS)
+        assert [o.token_ids for o in outs] == reference, f"{fmt} {dtype} {method} {drafter} k={k} B={batch}"
+
+
+def test_quantized_model_is_batch_invariant_bitwise(quantized_pair):
+    """A token's logits are the same bits alone and in a batch of rows of other lengths."""
+    model = load_model(quantized_pair[0], quantize="int4")
+    rows = prompts(4)
+    with torch.no_grad():
+        alone = [model(torch.tensor([r]), model.new_cache(1, 64), logits="last")[0, -1] for r in rows]
+        width = max(map(len, rows))
+        batch = torch.zeros(len(rows), width, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            batch[i, : len(r)] = torch.tensor(r)
+        together = model(batch, model.new_cache(len(rows), 64), num_new=[len(r) for r in rows], logits="last")
+    for i in range(len(rows)):
+        assert torch.equal(together[i, -1], alone[i])
+
+
+def test_quantized_layers_match_dequantized_float_layers():
+    """The int8 head and embedding share one table; the layer equals F.linear on its dequantized weight to
+    bfloat16 rounding."""
+    w = torch.randn(131, 64)
+    rows = QuantRows("int8", (131, 64), "embed")
+    rows.add_float(0, w)
+    head = rows.module()
+    emb = QuantEmbedding(head, torch.float32)
+    ids = torch.tensor([[3, 7, 130]])
+    assert torch.equal(emb(ids)[0], head.dequantize()[ids[0]])
+    x = torch.randn(4, 64)
+    deq = head.dequantize()
+    assert ((head(x) - F.linear(x, deq)).abs() <= bf16_tolerance(x, deq)).all()
