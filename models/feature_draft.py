@@ -27,7 +27,7 @@ from torch import nn
 from . import numerics
 from .config import ModelConfig
 from .errors import CheckpointError
-from .quant import embedding_weight, linear_weight
+from .quant import embedding_rows, linear_weight
 from .transformer import DecoderLayer, Transformer
 
 ARCHITECTURE = "SpecdecFeatureDraft"
@@ -53,10 +53,12 @@ def fingerprint(model: Transformer) -> str:
     bfloat16 loads of either)."""
     h = hashlib.sha256(json.dumps(dataclasses.asdict(model.cfg), sort_keys=True, default=str).encode())
     layer = model.layers[0]
-    for weight in (embedding_weight(model.embed_tokens), linear_weight(layer.mlp.down_proj),
-                   linear_weight(model.layers[-1].mlp.down_proj)):
-        sample = weight.detach()[:: max(1, weight.shape[0] // 64)].to("cpu", torch.bfloat16)  # [~64, E]
-        sample = sample.to(torch.float32).contiguous()
+    every = lambda rows: slice(None, None, max(1, rows // 64))  # noqa: E731  (~64 rows of each weight)
+    samples = [embedding_rows(model.embed_tokens, every(model.embed_tokens.num_embeddings))]  # only those rows
+    samples += [w[every(w.shape[0])] for w in (linear_weight(layer.mlp.down_proj),
+                                               linear_weight(model.layers[-1].mlp.down_proj))]
+    for sample in samples:  # [~64, E] each
+        sample = sample.detach().to("cpu", torch.bfloat16).to(torch.float32).contiguous()
         h.update(sample.numpy().tobytes())
     return h.hexdigest()
 

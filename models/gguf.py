@@ -446,7 +446,5 @@ def load_gguf_model(path, dtype=torch.float32, device="cpu", fuse: bool = True,
         weights.read_into(name, written)
         if check_weights:
             check_s += check_finite(written, label)
-    if check_weights:
-        check_s += sum(part.check_s for part in rows.values())
     return finish_loading(model, final, rows, weights.tied, dtype, device, quantize,
                           check_s if check_weights else None)

@@ -177,7 +177,5 @@ def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_wei
     if missing:
         shown = ", ".join(repr("model." + m if m != "lm_head.weight" else m) for m in missing[:5])
         raise CheckpointError(f"{path}: missing weight(s) {shown}{' ...' if len(missing) > 5 else ''}")
-    if check_weights:
-        check_s += sum(part.check_s for part in rows.values())
     return finish_loading(model, final, rows, tied, dtype, device, quantize, check_s if check_weights else None)
 

@@ -9,12 +9,12 @@ Formats (both dequantize as w = (code - offset) * scale + zero, per output row n
   (scale = (max - min) / 15), as gpt-fast does.
 - **int8**: codes -127..127, one bfloat16 scale per output row (symmetric, zero 0). Q8_0's blocks have a
   scale per 32 inputs, which torch's int8 kernel cannot take: a Q8_0 row is dequantized one bounded chunk
-  at a time and re-quantized per row (the quality this costs is measured: docs/benchmarks.md).
+  at a time and re-quantized per row (what that costs in quality is for bench/quantized.py to report).
 
 The matmul (`QuantLinear.forward`), with float32 or bfloat16 activations:
 - on the CPU, torch's weight-only kernels on the packed weight (`torch._weight_int4pack_mm_for_cpu`,
   `torch._weight_int8pack_mm`), with bfloat16 activations and output: both take only bfloat16 scales, and
-  with float32 activations they ran 10-40x slower (bench/quantized.py). They compute each token row on its
+  with float32 activations they ran 10-40x slower (a one-thread probe at SmolLM2's shapes, M = 1..16). They compute each token row on its
   own, so a row's result is the same bits whatever else is in the matmul (batch-invariant as they are,
   asserted by tests/test_quant.py). They are used for every row count, prefill included: a second path for
   long prompts (dequantize, then bfloat16 `F.linear`) would give a prompt's tokens other bits in a batch
@@ -30,8 +30,8 @@ quantized target's AR output bit for bit. `model.batch_invariant = False` turns 
 not need it: `LLM` turns it off there unless batch_invariant=True).
 
 The embedding and a tied head share one int8 table (`QuantEmbedding` looks up and dequantizes rows).
-Quantization happens while loading (models/loader.py, models/gguf.py build a `Quantizer`), a bounded chunk
-of rows at a time, so a float32 copy of the model is never held.
+Quantization happens while loading (models/loader.py and models/gguf.py fill a `QuantRows` per weight), a
+bounded chunk of rows at a time, so a float32 copy of the model is never held.
 """
 from __future__ import annotations
 
@@ -189,9 +189,9 @@ class QuantEmbedding(nn.Module):
         rows = self.table.codes[input_ids].to(self.dtype)  # [..., E]
         return rows * self.table.scales[input_ids].to(self.dtype)[..., None]
 
-    @property
-    def weight_bytes(self) -> int:
-        return 0  # a step reads only the rows it looks up
+    def rows(self, index) -> torch.Tensor:
+        """Rows `index` of the table, dequantized to the activations' dtype: [len(index), E]."""
+        return self.table.codes[index].to(self.dtype) * self.table.scales[index].to(self.dtype)[:, None]
 
 
 def linear_weight(layer: nn.Module, dtype=None) -> torch.Tensor:
@@ -201,11 +201,12 @@ def linear_weight(layer: nn.Module, dtype=None) -> torch.Tensor:
     return layer.weight if dtype is None else layer.weight.to(dtype)
 
 
-def embedding_weight(embedding: nn.Module) -> torch.Tensor:
-    """An embedding's table [V, E] as floats (dequantized for a `QuantEmbedding`)."""
+def embedding_rows(embedding: nn.Module, index) -> torch.Tensor:
+    """Rows `index` (a slice or ids) of an embedding's table as floats (dequantized for a `QuantEmbedding`,
+    those rows only)."""
     if isinstance(embedding, QuantEmbedding):
-        return embedding.table.dequantize(embedding.dtype)
-    return embedding.weight
+        return embedding.rows(index)
+    return embedding.weight[index]
 
 
 # ------------------------------------------------------------------------------------------ while loading
@@ -273,7 +274,6 @@ def install_quantized(model: nn.Module, rows: dict[str, QuantRows], floats: dict
     """Replace each quantized weight's module of `model` (built on the meta device) by its quantized module
     (a linear layer's float bias, from `floats`, goes with it); a tied head and the embedding share one
     table. The remaining float parameters are the caller's to load."""
-    head_name = "lm_head.weight"
     embed_name = "embed_tokens.weight"
     modules = dict(model.named_modules())
     built: dict[str, QuantLinear] = {}
@@ -281,14 +281,10 @@ def install_quantized(model: nn.Module, rows: dict[str, QuantRows], floats: dict
         if not part.complete:
             raise QuantizationError(f"{name}: {part.filled} of {part.shape[0]} rows written")
         module_name = name.rsplit(".", 1)[0]
-        bias = floats.pop(f"{module_name}.bias", None)
-        built[name] = part.module(bias, device)
-    for name, layer in built.items():
-        module_name = name.rsplit(".", 1)[0]
-        if name == embed_name:
-            continue
-        parent, _, attr = module_name.rpartition(".")
-        setattr(modules[parent] if parent else model, attr, layer)
+        built[name] = layer = part.module(floats.pop(f"{module_name}.bias", None), device)
+        if name != embed_name:  # the embedding becomes a QuantEmbedding over its table, below
+            parent, _, attr = module_name.rpartition(".")
+            setattr(modules[parent] if parent else model, attr, layer)
     if embed_name in built:
         table = built[embed_name]
         model.embed_tokens = QuantEmbedding(table, dtype)
@@ -300,7 +296,10 @@ def finish_loading(model: nn.Module, floats: dict, rows: dict[str, QuantRows], t
                    quantize: str | None, check_s: float | None) -> nn.Module:
     """Put the loaded weights into `model` (built on the meta device; shared by both loaders): the quantized
     modules first (`install_quantized`), then the float parameters; a float tied head shares the embedding.
-    A parameter left on the meta device is an error (nothing half-loaded is returned)."""
+    `check_s`: the float weights' NaN/inf scan seconds (None: not checked); the quantized rows' scans are
+    added. A parameter left on the meta device is an error (nothing half-loaded is returned)."""
+    if check_s is not None:
+        check_s += sum(part.check_s for part in rows.values())
     if rows:
         install_quantized(model, rows, floats, device, dtype, tied)
     model.load_state_dict(floats, strict=not tied and not rows, assign=True)

@@ -29,6 +29,13 @@ def test_the_cli_names_the_runtimes_lookups():
     assert flags.LOOKUPS == proposers.LOOKUPS
 
 
+def test_the_cli_names_the_quantized_formats():
+    from specdec import flags
+    from specdec.models import quant
+
+    assert set(flags.QUANTIZE) == set(quant.FORMATS)
+
+
 def test_run_parser_passes_every_engine_flag():
     args = run.build_parser().parse_args(["--batch-invariant", "--no-packed-weights", "--compile", "--profile",
                                           "--check-weights", "-k", "3", "--method", "ragged", "--dtype", "float64"])
