@@ -270,3 +270,44 @@ def test_bi_attention(benchmark, dtype, batch, T, context, impl):
     benchmark.extra_info.update(path=PATH if impl == "invariant" else "torch", impl=impl, device=DEVICE,
                                 threads=torch.get_num_threads(), dtype=dtype, batch=batch, T=T, context=context,
                                 kv_gbps=2 * k.numel() * dt.itemsize / seconds / 1e9)
+
+
+# ------------------------------------------------------------------------------ weight-only quantized matmul
+# kernels/quant_matmul.py at decode / verify row counts (M = B * (k + 1)). `impl`: "kernel" (the Triton
+# kernel: CUDA only), "reference" (dequantize to float32, then matmul), "cpu" (models/quant.py's CPU path,
+# torch's packed weight-only kernels: CPU only), "bf16" (F.linear on a bfloat16 copy of the weight: the
+# float baseline). `weight_gbps`: the quantized weight's bytes (codes + scales + zeros) / time.
+from specdec.kernels import quant_matmul as qmm  # noqa: E402
+from specdec.models.quant import QuantLinear, QuantRows  # noqa: E402
+
+QUANT_ROWS = (1, 8, 48) if not CUDA else (1, 6, 16, 48, 64)
+QUANT_SHAPES = ((1536, 576), (576, 1536)) if not CUDA else ((6144, 4096), (4096, 14336), (28672, 4096))  # (N, K)
+QUANT_IMPLS = ("kernel", "reference", "bf16") if CUDA else ("reference", "cpu", "bf16")
+
+
+@pytest.mark.parametrize("impl", QUANT_IMPLS)
+@pytest.mark.parametrize("rows", QUANT_ROWS)
+@pytest.mark.parametrize("shape", QUANT_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("fmt", ("int4", "int8"))
+def test_quant_matmul(benchmark, fmt, shape, rows, impl):
+    N, K = shape
+    weight = torch.randn(N, K) * 0.02
+    part = QuantRows(fmt, (N, K), "bench")
+    part.add_float(0, weight)
+    zeros = None if part.zeros is None else part.zeros.to(DEVICE)
+    layer = QuantLinear(fmt, part.codes.to(DEVICE), part.scales.to(DEVICE), zeros,
+                        cpu_kernels=impl == "cpu")  # torch's packed CPU layout for "cpu", else the kernel's
+    x = torch.randn(rows, K, device=DEVICE).bfloat16()
+    if impl == "bf16":
+        w16 = weight.to(DEVICE, torch.bfloat16)
+        fn = lambda: torch.nn.functional.linear(x, w16)  # noqa: E731
+    elif impl == "cpu":
+        fn = lambda: layer(x)  # noqa: E731
+    else:
+        operands = (layer.nibbles, layer.scales, layer.zeros) if fmt == "int4" else (layer.codes, layer.scales)
+        backend = "triton" if impl == "kernel" else "torch"
+        fn = lambda: qmm.quant_matmul(x, fmt, *operands, backend=backend)  # noqa: E731
+    seconds = _run(benchmark, fn)
+    benchmark.extra_info.update(path="triton" if impl == "kernel" else "torch", impl=impl, device=DEVICE,
+                                threads=torch.get_num_threads(), fmt=fmt, rows=rows, N=N, K=K,
+                                weight_gbps=layer.weight_bytes / seconds / 1e9)

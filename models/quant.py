@@ -19,9 +19,13 @@ The matmul (`QuantLinear.forward`), with float32 or bfloat16 activations:
   asserted by tests/test_quant.py). They are used for every row count, prefill included: a second path for
   long prompts (dequantize, then bfloat16 `F.linear`) would give a prompt's tokens other bits in a batch
   than alone, and it only wins above ~300 rows.
-- other devices: dequantize to bfloat16, then `F.linear` (the torch reference of the same numbers).
+- other devices: `kernels/quant_matmul.py`'s `quant_matmul` on the codes as they are (int4 nibbles with
+  bfloat16 scales and zeros, int8 codes with a bfloat16 scale per row), in the activations' own dtype with
+  float32 sums: on CUDA a Triton kernel that dequantizes each weight tile in registers and sums each row
+  in a fixed order (batch-invariant by construction), elsewhere its torch reference (dequantize to
+  float32, then matmul).
 
-Exactness: the kernels round their inputs to bfloat16, which turns the last-bit differences of the ordinary
+Exactness: the CPU kernels round their inputs to bfloat16, which turns the last-bit differences of the ordinary
 float32 attention (its blocks depend on how many tokens share the forward) into bfloat16 steps: measured
 on SmolLM2-135M int4, AR at batch 1 and batch 4 then differed on 1 of 8 prompts within 48 tokens, and
 speculative output on 2. So a quantized model loads with its batch-invariant mode on (models/numerics.py;
@@ -39,12 +43,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.kernels.quant_matmul import (FORMATS, GROUP, INT4_OFFSET, dequantize_int4, pack_nibbles, quant_matmul,
+                                          unpack_nibbles)
+
 from .errors import CheckpointError
 from .finite import check_finite
 
-FORMATS = ("int8", "int4")
-GROUP = 32  # int4: inputs per (scale, zero) group, llama.cpp's Q4 block size
-INT4_OFFSET = 8
+# FORMATS ("int8", "int4"), GROUP (32: int4's inputs per (scale, zero) group, llama.cpp's Q4 block size),
+# INT4_OFFSET and the (un)packing of nibbles are the kernel's (kernels/quant_matmul.py), imported above
 INT4_ROW_MULTIPLE = 16  # torch's CPU int4 layout packs output rows in sixteens
 COMPUTE_DTYPE = torch.bfloat16  # the activations and scales the weight-only kernels take
 
@@ -83,38 +89,21 @@ def quantize_int8_rows(w: torch.Tensor):
     return codes, scale
 
 
-def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype=torch.float32):
-    """codes uint8 [N, K], scales/zeros [N, K/GROUP] -> w [N, K] in `dtype` (computed in `dtype`)."""
-    N, K = codes.shape
-    c = codes.reshape(N, K // GROUP, GROUP).to(dtype)  # [N, G, 32]
-    w = (c - INT4_OFFSET) * scales.to(dtype)[..., None] + zeros.to(dtype)[..., None]
-    return w.reshape(N, K)
-
-
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """codes uint8 [N, K] (0..15) -> [N, K/2]: element 2j in the low nibble of byte j, 2j+1 in the high."""
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of `pack_nibbles`: [N, K/2] -> codes uint8 [N, K]."""
-    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
-
-
 # ------------------------------------------------------------------------------------------ modules
 class QuantLinear(nn.Module):
     """A linear layer y = x W^T + b whose W is int8 or int4 (see the module docstring).
 
     On the CPU an int4 weight is held only in torch's packed layout (`packed` [N, K/2] uint8 and
-    `scales_zeros` [K/32, N, 2]); elsewhere as nibbles (`nibbles` [N, K/2]: weight 2j in the low nibble of
+    `scales_zeros` [K/32, N, 2]) for torch's CPU kernels; elsewhere (or with `cpu_kernels=False`: how the
+    tests run the GPU path's layout and kernel on the CPU, under the Triton interpreter) as nibbles (`nibbles` [N, K/2]: weight 2j in the low nibble of
     byte j) with `scales` and `zeros` [N, K/32]. An int8 weight is `codes` [N, K] and `scales` [N]."""
 
     def __init__(self, fmt: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, cpu_kernels: bool | None = None):
         super().__init__()
         self.format = fmt
         self.out_features, self.in_features = codes.shape
-        self.on_cpu = codes.device.type == "cpu"
+        self.on_cpu = codes.device.type == "cpu" if cpu_kernels is None else cpu_kernels  # torch's CPU kernels
         if fmt == "int4":
             scales, zeros = scales.to(COMPUTE_DTYPE), zeros.to(COMPUTE_DTYPE)  # [N, G] each
             if self.on_cpu:  # the kernel takes N % 16 == 0: zero rows pad it, their outputs are dropped
@@ -159,10 +148,16 @@ class QuantLinear(nn.Module):
         """y [..., N] in x's dtype. One path for every row count (each row computed on its own), so a
         token's result never depends on what else is in the matmul; `invariant` needs nothing more."""
         shape = x.shape
+        if not self.on_cpu:  # kernels/quant_matmul.py (Triton on CUDA, else its reference): x's dtype, f32 sums
+            if self.format == "int4":
+                out = quant_matmul(x.reshape(-1, self.in_features), "int4", self.nibbles, self.scales, self.zeros)
+            else:
+                out = quant_matmul(x.reshape(-1, self.in_features), "int8", self.codes, self.scales)  # [M, N]
+            if self.bias is not None:
+                out = out + self.bias
+            return out.reshape(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE).contiguous()  # [M, K]
-        if not self.on_cpu:
-            out = F.linear(x2, self.dequantize(COMPUTE_DTYPE))  # [M, N]: the reference path
-        elif self.format == "int4":
+        if self.format == "int4":
             out = torch._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)  # [M, N']
             if out.shape[1] != self.out_features:
                 out = out[:, : self.out_features]
