@@ -22,7 +22,8 @@ while decoding a block retries that block; both through Ray's actor-task retries
 The driver checks that every index arrives exactly once, in order. A bad request (say, a prompt longer
 than the context) becomes an `error` on its own output line and does not fail its block.
 
-This module imports Ray only when a job runs: `add_arguments` and the checks are free without it.
+This module is the driver; what runs inside Ray's workers (the read task and the `Replica` actor) is
+specdec/ray_replica.py. Ray is imported only when a job runs: `add_arguments` and the checks are free without it.
 """
 from __future__ import annotations
 
@@ -34,11 +35,12 @@ import sys
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 from .flags import engine_kwargs, positive_int
 from .prompts import iter_prompt_file
+from .ray_replica import Replica, read_chunk
 
 RAY_EXTRA = 'pip install -e ".[ray]"'
 NODE_ID_LABEL = "ray.io/node-id"  # Ray's built-in label naming each node
@@ -48,7 +50,6 @@ MAX_BLOCK_RETRIES = 3  # attempts after the first, per block, whether its replic
 TASKS_IN_FLIGHT_PER_REPLICA = 1  # a block goes to a replica when it is free: none waits queued behind a slow
 # one (or behind the first replica to start) while another idles; the hand-over costs milliseconds
 RAY_RETRY_NOTE = "\nFailed to apply UDF transform"  # what Ray Data appends to a failed block's exception
-METRIC_SKIP = ("method", "batch_size", "num_requests", "wall_time_s", "profiled")  # RunMetrics fields not summed
 
 
 # ----------------------------------------------------------------------------------------------- CLI flags
@@ -110,117 +111,6 @@ def plan_chunks(inline: list[str], path: str | None, limit: int | None, block_si
         if not found:
             raise ValueError(f"{path}: no prompts in file")
     return chunks, total
-
-
-def read_chunk(row: dict) -> list[dict]:
-    """Ray Data flat_map: one chunk descriptor -> its rows {index, prompt}."""
-    chunk = json.loads(row["chunk"])
-    if "prompts" in chunk:
-        prompts = chunk["prompts"]
-    else:
-        prompts = []
-        for _, _, prompt in iter_prompt_file(chunk["path"], chunk["offset"], chunk["line"]):
-            prompts.append(prompt)
-            if len(prompts) == chunk["count"]:
-                break
-    if len(prompts) != chunk["count"]:
-        raise ValueError(f"{chunk.get('path')}: changed while being read (expected {chunk['count']} prompts "
-                         f"from line {chunk.get('line')}, found {len(prompts)})")
-    return [{"index": chunk["first"] + j, "prompt": p} for j, p in enumerate(prompts)]
-
-
-# ------------------------------------------------------------------------------------------------ replicas
-def request_error(llm, prompt_token_ids: list[int], params, index: int) -> str | None:
-    """Why `llm` would refuse this one request (empty, out of vocabulary, too long for the context), or None."""
-    try:
-        llm.check_request([int(t) for t in prompt_token_ids], params, index)
-    except ValueError as err:
-        return str(err)
-    return None
-
-
-def output_schema():
-    import pyarrow as pa
-
-    ids = pa.list_(pa.int64())
-    return pa.schema([("index", pa.int64()), ("prompt", pa.string()), ("text", pa.string()),
-                      ("token_ids", ids), ("prompt_token_ids", ids), ("finish_reason", pa.string()),
-                      ("accepted_counts", ids), ("speculative_tokens", ids), ("latency_s", pa.float64()),
-                      ("time_to_first_token_s", pa.float64()),
-                      ("error", pa.string()), ("block_metrics", pa.string())])
-
-
-def metric_counters(metrics) -> dict:
-    """The additive fields of a RunMetrics (counters and the per-phase times), as JSON-ready values."""
-    out = {}
-    for f in fields(metrics):
-        value = getattr(metrics, f.name)
-        if f.name not in METRIC_SKIP and isinstance(value, (int, float, dict)):
-            out[f.name] = value
-    return out
-
-
-class Replica:
-    """A Ray actor of the pool: loads one `LLM` when it starts, then decodes one block per call."""
-
-    def __init__(self, llm_kwargs: dict, sampling: dict, chat: bool = False, threads: int | None = None):
-        import torch
-
-        from specdec import LLM
-        from specdec.models import CheckpointError
-
-        if threads:
-            torch.set_num_threads(threads)
-        self.sampling = dict(sampling)  # SamplingParams fields; "seed" is the base seed (request i: seed + i)
-        self.chat = chat
-        # A user error while loading (a bad checkpoint, a missing tokenizer) is raised by the first call, not
-        # here: Ray reports a constructor's exception as text only, a call's as the exception itself, which
-        # the driver then prints as its one-line error.
-        self.setup_error = None
-        try:
-            self.llm = LLM(**llm_kwargs)
-            if self.llm.tokenizer is None:
-                raise ValueError(f"--target {llm_kwargs['target']}: no tokenizer.model or tokenizer.json, "
-                                 "cannot encode text prompts")
-        except (CheckpointError, ValueError, TypeError, OSError) as err:
-            self.setup_error = err
-
-    def params(self, index: int):
-        from specdec import SamplingParams
-
-        base = self.sampling.get("seed")
-        return SamplingParams(**{**self.sampling, "seed": None if base is None else base + index})
-
-    def __call__(self, batch: dict):
-        import pyarrow as pa
-
-        if self.setup_error is not None:
-            raise self.setup_error
-        indices = [int(i) for i in batch["index"]]
-        prompts = [str(p) for p in batch["prompt"]]
-        ids = self.llm.encode(prompts, chat=self.chat)
-        params = [self.params(i) for i in indices]
-        errors = [request_error(self.llm, x, p, i) for x, p, i in zip(ids, params, indices)]
-        good = [j for j, e in enumerate(errors) if e is None]
-        outputs = {}
-        metrics = None
-        if good:
-            result = self.llm.generate(prompt_token_ids=[ids[j] for j in good],
-                                       sampling_params=[params[j] for j in good])
-            outputs = {j: o for j, o in zip(good, result)}
-            metrics = json.dumps({"counters": metric_counters(result.metrics), "wall_s": result.metrics.wall_time_s})
-        rows = []
-        for j, index in enumerate(indices):
-            o = outputs.get(j)
-            rows.append({"index": index, "prompt": prompts[j], "text": o.text if o else None,
-                         "token_ids": o.token_ids if o else [], "prompt_token_ids": ids[j],
-                         "finish_reason": o.finish_reason if o else None,
-                         "accepted_counts": o.accepted_counts if o else [],
-                         "speculative_tokens": o.speculative_tokens if o else [],
-                         "latency_s": o.latency_s if o else 0.0,
-                         "time_to_first_token_s": o.time_to_first_token_s if o else 0.0,
-                         "error": errors[j], "block_metrics": metrics if j == 0 else None})
-        return pa.Table.from_pylist(rows, schema=output_schema())
 
 
 # ------------------------------------------------------------------------------------------------- driver
@@ -320,8 +210,7 @@ def data_context(ray):
         logger.setLevel(saved_level)
 
 
-def generate_blocks(ray, chunks: list[dict], replica_kwargs: dict, placement: Placement,
-                    max_retries: int = MAX_BLOCK_RETRIES):
+def generate_blocks(ray, chunks: list[dict], replica_kwargs: dict, placement: Placement):
     """Run the job; yield each block's rows (dicts), blocks in prompt order, as they are delivered."""
     from ray.data import ActorPoolStrategy, TaskPoolStrategy
 
@@ -337,7 +226,7 @@ def generate_blocks(ray, chunks: list[dict], replica_kwargs: dict, placement: Pl
             ds = ds.map_batches(Replica, batch_size=None, batch_format="numpy", fn_constructor_kwargs=replica_kwargs,
                                 compute=ActorPoolStrategy(size=placement.replicas,
                                                           max_tasks_in_flight_per_actor=TASKS_IN_FLIGHT_PER_REPLICA),
-                                max_task_retries=max_retries, **placement.resources)
+                                max_task_retries=MAX_BLOCK_RETRIES, **placement.resources)
         for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             yield table.to_pylist()
 

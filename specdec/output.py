@@ -30,7 +30,7 @@ import secrets
 import signal
 import stat
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 OPEN_DESCRIPTOR = re.compile(r"^/(?:dev/fd|proc/self/fd)/(\d+)$")
 STANDARD_STREAMS = {"/dev/stdout": 1, "/dev/stderr": 2}
@@ -50,6 +50,10 @@ def record(output, prompt: str | None) -> dict:
             "accepted_counts": output.accepted_counts, "speculative_tokens": output.speculative_tokens,
             "latency_s": round(output.latency_s, 6),
             "time_to_first_token_s": round(output.time_to_first_token_s, 6)}
+
+
+def json_line(obj: dict) -> bytes:
+    return (json.dumps(obj) + "\n").encode("utf-8")
 
 
 @contextmanager
@@ -127,24 +131,14 @@ class JsonlOutput:
                     sys.stdout.flush()
                 out.fd, out.stream = os.dup(descriptor), True  # shares the descriptor's offset: no truncation
                 return out
-            target = os.path.realpath(path)
-            try:
-                info = os.stat(target)
-            except FileNotFoundError:
-                info = None
-            if info is not None and stat.S_ISDIR(info.st_mode):
-                raise OutputError(errno.EISDIR, f"--output {path}: is a directory")
+            target, info = writable_target("--output", path)
             if info is not None and not stat.S_ISREG(info.st_mode):
                 out.fd, out.stream = os.open(target, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)), True
                 return out
-            directory = os.path.dirname(target)
-            if not os.path.isdir(directory):
-                raise OutputError(errno.ENOENT, f"--output {path}: directory {directory} does not exist")
-            if info is not None:
-                refuse_read_only("--output", path, target, info)
             out.target = target
             out.mode = stat.S_IMODE(info.st_mode) if info is not None else None
-            out.fd, out.partial = _create_exclusive(directory, os.path.basename(target), "partial", out.mode)
+            out.fd, out.partial = _create_exclusive(os.path.dirname(target), os.path.basename(target), "partial",
+                                                    out.mode)
         except OutputError:
             raise
         except OSError as err:
@@ -158,7 +152,7 @@ class JsonlOutput:
     def write_record(self, obj: dict) -> None:
         """Stream one JSON line. A line cut off part-way (disk full, file too large, Ctrl-C or SIGTERM in the
         middle of the write) is not counted, and a kept partial file is cut back to the counted lines."""
-        data = (json.dumps(obj) + "\n").encode("utf-8")
+        data = json_line(obj)
         try:
             _write_all(self.fd, data)
         except OSError as err:
@@ -169,13 +163,6 @@ class JsonlOutput:
     def lines(self) -> int:
         """Requests written whole."""
         return self.written[0]
-
-    def _cut_to_whole_lines(self) -> None:
-        """Drop a torn last line from the partial file (shrinking needs no space and passes any size limit)."""
-        try:
-            os.ftruncate(self.fd, self.written[1])
-        except OSError:
-            pass
 
     def note(self, event: str = "the error") -> str:
         """After the block: what became of the output, as the end of the one line about an error or an
@@ -197,10 +184,7 @@ class JsonlOutput:
             return
         try:
             os.fsync(self.fd)
-            with signals_deferred():  # the rename and the bookkeeping happen together or not at all
-                os.replace(self.partial, self.target)
-                self.partial = None
-                self.committed = True
+            self._replace_target(self.partial)
         except OSError as err:
             raise self._error(err, "write") from None
 
@@ -214,22 +198,27 @@ class JsonlOutput:
         try:
             final_fd, final = _create_exclusive(os.path.dirname(self.target), os.path.basename(self.target),
                                                 "jsonl", self.mode)
-            _write_all(final_fd, b"".join((json.dumps(record(o, p)) + "\n").encode("utf-8")
-                                          for o, p in zip(outputs, prompts)))
+            _write_all(final_fd, b"".join(json_line(record(o, p)) for o, p in zip(outputs, prompts)))
             os.fsync(final_fd)
             fd, final_fd = final_fd, None
             os.close(fd)
-            with signals_deferred():
-                os.replace(final, self.target)
-                final = None
-                self.committed = True
+            self._replace_target(final)
         except OSError as err:
             raise self._error(err, "write") from None
         finally:
             if final_fd is not None:
                 os.close(final_fd)
-            if final is not None:
+            if final is not None and not self.committed:
                 _unlink(final)
+
+    def _replace_target(self, path: str) -> None:
+        """Rename `path` over the target; the rename and the bookkeeping (the partial file is gone if it was the
+        one renamed; committed) happen together or not at all."""
+        with signals_deferred():
+            os.replace(path, self.target)
+            if path == self.partial:
+                self.partial = None
+            self.committed = True
 
     def __enter__(self) -> "JsonlOutput":
         return self
@@ -240,12 +229,11 @@ class JsonlOutput:
         with signals_deferred():
             keep = self.partial is not None and not self.committed and self.lines > 0
             if self.fd is not None:
-                if keep:
-                    self._cut_to_whole_lines()
-                try:
+                if keep:  # drop a torn last line (shrinking needs no space and passes any size limit)
+                    with suppress(OSError):
+                        os.ftruncate(self.fd, self.written[1])
+                with suppress(OSError):
                     os.close(self.fd)
-                except OSError:
-                    pass
                 self.fd = None
             if self.partial is None:
                 return
@@ -259,18 +247,29 @@ class JsonlOutput:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def writable_target(flag: str, path: str) -> tuple[str, os.stat_result | None]:
+    """The file `path` names through any symlinks, and its stat (None: not there yet). OutputError naming
+    `flag` for a directory, a missing directory, or an existing regular file that nobody may write (mode
+    0444...) or this user may not: the user makes it writable or deletes it to say that replacing it is meant.
+    Any other OSError (from stat) is the caller's to word."""
+    target = os.path.realpath(path)
+    try:
+        info = os.stat(target)
     except FileNotFoundError:
-        pass
-
-
-def refuse_read_only(flag: str, shown: str, target: str, info: os.stat_result) -> None:
-    """An existing regular file that nobody may write (mode 0444...), or that this user may not, is not
-    replaced: the user makes it writable or deletes it to say that replacing it is meant."""
+        directory = os.path.dirname(target)
+        if not os.path.isdir(directory):
+            raise OutputError(errno.ENOENT, f"{flag} {path}: directory {directory} does not exist") from None
+        return target, None
+    if stat.S_ISDIR(info.st_mode):
+        raise OutputError(errno.EISDIR, f"{flag} {path}: is a directory")
     if stat.S_ISREG(info.st_mode) and (not info.st_mode & 0o222 or not os.access(target, os.W_OK)):
-        raise OutputError(errno.EACCES, f"{flag} {shown}: is read-only (mode {stat.S_IMODE(info.st_mode):04o}); "
+        raise OutputError(errno.EACCES, f"{flag} {path}: is read-only (mode {stat.S_IMODE(info.st_mode):04o}); "
                                         f"to replace it, make it writable (chmod u+w) or delete it")
+    return target, info
 
 
 def _identity(path: str) -> tuple:
@@ -333,23 +332,17 @@ def _is_device(path: str) -> bool:
 def check_writable(flag: str, path: str) -> None:
     """That `path` can be written (created, or replaced) now, without writing it: an OutputError naming `flag`
     for a directory, a missing or unwritable directory, or a read-only existing file."""
-    target = os.path.realpath(path)
     try:
-        info = os.stat(target)
-    except FileNotFoundError:
-        info = None
+        target, info = writable_target(flag, path)
+    except OutputError:
+        raise
     except OSError as err:
         raise OutputError(err.errno, f"{flag} {path}: cannot write ({err.strerror or err})") from None
-    if info is not None and stat.S_ISDIR(info.st_mode):
-        raise OutputError(errno.EISDIR, f"{flag} {path}: is a directory")
     if info is not None:
-        refuse_read_only(flag, path, target, info)
         if not stat.S_ISREG(info.st_mode) and not os.access(target, os.W_OK):
             raise OutputError(errno.EACCES, f"{flag} {path}: cannot write (Permission denied)")
         return
     directory = os.path.dirname(target)
-    if not os.path.isdir(directory):
-        raise OutputError(errno.ENOENT, f"{flag} {path}: directory {directory} does not exist")
     try:  # the only true test of a directory (permissions, read-only mounts, quotas): create a file there
         fd, probe = _create_exclusive(directory, os.path.basename(target), "probe", None)
     except OSError as err:

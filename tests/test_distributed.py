@@ -5,7 +5,8 @@
 with a word-level tokenizer, so batch composition cannot flip near-ties); the sampled job also loses a
 replica to SIGKILL and has a block raise once, and still answers every prompt once with the same samples;
 a prompt too long for the context becomes an `error` line; `--ray` without Ray installed is one line
-naming the extra; prompt files stream exactly as `read_prompts` reads them.
+naming the extra; prompt files stream (distributed.plan_chunks, ray_replica.read_chunk) exactly as
+`read_prompts` reads them.
 """
 import json
 import logging
@@ -15,7 +16,7 @@ import pytest
 
 from checkpoints import make_pair, write_wordlevel_tokenizer
 from faults import Fault, faulty_replica
-from specdec import distributed
+from specdec import distributed, ray_replica
 from specdec.prompts import read_prompts
 from specdec.run import build_parser, main
 
@@ -138,7 +139,7 @@ def test_prompt_files_stream_as_read_prompts_reads_them(tmp_path):
         for block_size in (1, 2, 3, 10):
             for limit in (None, 3):
                 chunks, total = distributed.plan_chunks(["inline"], str(path), limit, block_size)
-                rows = [r for c in chunks for r in distributed.read_chunk({"chunk": json.dumps(c)})]
+                rows = [r for c in chunks for r in ray_replica.read_chunk({"chunk": json.dumps(c)})]
                 want = (["inline"] + expected)[:limit]
                 assert total == len(want) and [r["prompt"] for r in rows] == want
                 assert [r["index"] for r in rows] == list(range(total))
