@@ -1,4 +1,4 @@
-"""Data for the default pair: the fixed stdlib file list, the tokenizer, token windows and the prompts."""
+"""Data of the small draft (the default pair's recipe): the fixed stdlib file list (or the user's texts), the tokenizer, token windows and the prompts."""
 from __future__ import annotations
 
 import ast
@@ -107,6 +107,18 @@ class Corpus:
         held = [t for i, t in enumerate(texts) if i % holdout_every == 0]
         cap = per_file_cap([len(t) for t in train], max_chars)
         return cls(root, files, [truncate_at_line(t, cap) for t in train], held, cap, sum(map(len, texts)))
+
+    @classmethod
+    def from_texts(cls, source: Path, texts: list[str], holdout_every: int, max_chars: int) -> "Corpus":
+        """The user's texts (`--data`) in place of the stdlib's files, held out and capped the same way."""
+        train = [t for i, t in enumerate(texts) if i % holdout_every != 0]
+        held = [t for i, t in enumerate(texts) if i % holdout_every == 0]
+        if not train:
+            raise SystemExit(f"--data {source}: {len(texts)} text(s) leave none to train on after holding out "
+                             f"every {holdout_every}th (give more texts or a larger --holdout-every)")
+        cap = per_file_cap([len(t) for t in train], max_chars)
+        return cls(source, [source] * len(texts), [truncate_at_line(t, cap) for t in train], held, cap,
+                   sum(map(len, texts)))
 
 
 # --------------------------------------------------------------------------------------- tokenizer

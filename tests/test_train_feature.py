@@ -1,10 +1,11 @@
-"""The feature-draft trainer's pieces (bench/default_pair/feature_draft.py, self_data.py): the training forward
+"""`python -m specdec.train feature`'s pieces (specdec/train/feature.py, self_data.py): the training forward
 is the runtime's forward, labels only where the target answers, the draft vocabulary covers what it says,
 and the held-out check sees shared text."""
 import torch
 
-from bench.default_pair import feature_draft as fd
-from bench.default_pair.self_data import clean_question, question_requests
+from specdec.train import feature as fd
+from specdec.train.__main__ import build_parser
+from specdec.train.self_data import clean_question, question_requests
 from specdec.models import load_model
 
 
@@ -76,7 +77,8 @@ def test_data_rounds_are_cached_per_round_and_a_repeated_question_is_kept_once(t
 
     monkeypatch.setattr(fd.self_data, "load_or_generate", fake_text)
     monkeypatch.setattr(fd, "target_features", fake_features)
-    args = fd.build_parser().parse_args(["--target", "t.gguf", "--cache", str(tmp_path), "--data-rounds", "2"])
+    args = build_parser().parse_args(["feature", "--target", "t.gguf", "--out", str(tmp_path / "d"), "--cache",
+                                      str(tmp_path), "--data-rounds", "2", "--questions", "2"])
     text, data, seconds_text, _ = fd.training_text(None, args)
     assert text["questions"] == ["q a", "q b", "q c"] and calls == [2, 2]
     assert [s[0] for s in text["sequences"]] == [ord("a"), ord("b"), ord("c")]

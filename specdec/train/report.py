@@ -1,5 +1,5 @@
-"""docs/default_pair.md from `template.md` and a run's results (the dict `pipeline.run` returns and saves as
-JSON, by default bench/default_pair/results.json)."""
+"""docs/default_pair.md from `default_pair_template.md` and a small-draft run's results (the dict `small.run`
+returns and saves as JSON; the shipped pair's are bench/default_pair/results.json)."""
 from __future__ import annotations
 
 import hashlib
@@ -8,9 +8,9 @@ import math
 from pathlib import Path
 from string import Template
 
-from .data import EXCLUDED_DIRS
+from .stdlib_corpus import EXCLUDED_DIRS
 
-TEMPLATE = Path(__file__).with_name("template.md")
+TEMPLATE = Path(__file__).with_name("default_pair_template.md")
 
 
 def sha256(path: Path) -> str:
@@ -80,7 +80,7 @@ def _pool_and_draft_text(r: dict, a: dict) -> dict:
 
 
 def render(r: dict) -> str:
-    """The markdown text for the results `r` of `pipeline.run`."""
+    """The markdown text for the results `r` of `small.run`."""
     a, ev, spec, diag = r["args"], r["heldout"], r["spec"], r["greedy_agreement"]
     ta = r.get("target_args") or a  # the target's run: this one, or the one --reuse-target names
     tt, dt, pool = r["train_target"], r["train_draft"], r["pool"]

@@ -1,8 +1,7 @@
-"""Training: the optimiser loop (steps calibrated from a time budget), the target's loss, the pool of the
-target's greedy continuations and the draft's distillation loss on it."""
+"""The small draft's data and losses: the target's loss, the pool of the target's greedy continuations and
+the draft's distillation loss on it (the optimiser loop is loop.py)."""
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -10,94 +9,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .data import PAD, Windows
-
-CALIBRATION_STEPS = 8  # steps timed before the step count is fixed from the budget
-RECHECK_AT = (0.1, 0.25, 0.5, 0.75)  # fractions of the run at which the speed is measured again
-FINAL_LR_FRACTION = 0.1  # cosine decay ends at this fraction of the peak
-
-
-_START = time.time()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.time() - _START:7.1f}s] {msg}", flush=True)
-
-
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    """Linear warmup, then cosine decay to FINAL_LR_FRACTION of the peak at `total`."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def budgeted_count(name: str, done: int, elapsed: float, budget_s: float, total: int | None) -> int:
-    """Items that fit in `budget_s` at the speed so far (never fewer than done + 1)."""
-    new = max(done + 1, int(budget_s * done / elapsed))
-    if total is not None and new != total:
-        log(f"{name}: {elapsed / done:.3f} s/item so far -> {new} instead of {total}")
-    return new
-
-
-@dataclass
-class TrainConfig:
-    batch: int
-    lr: float
-    warmup: int
-    weight_decay: float
-    clip: float
-    minutes: float  # budget used to calibrate `steps` when it is None
-    steps: int | None = None
-    log_every: int = 50
-
-
-def train_loop(name: str, model, next_batch, loss_fn, cfg: TrainConfig, after_step=None) -> dict:
-    """AdamW (betas 0.9/0.95, decay on matrices only) + warmup + cosine. `next_batch()` gives a batch,
-    `loss_fn(model, batch)` its scalar loss. Without `cfg.steps` the step count is fitted to `cfg.minutes`
-    after CALIBRATION_STEPS steps and re-fitted at the fractions RECHECK_AT of the run. `after_step(step,
-    total)`, when given, runs after every step (validation points of a training curve; its time counts)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-    budget_s = cfg.minutes * 60.0
-    total, rechecks = cfg.steps, []
-    start, step, loss_ema = time.time(), 0, None
-    model.train()
-    while total is None or step < total:
-        cur_lr = lr_at(step, total or 10**9, cfg.lr, cfg.warmup)
-        for group in opt.param_groups:
-            group["lr"] = cur_lr
-        loss = loss_fn(model, next_batch())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-        opt.step()
-        step += 1
-        value = loss.item()
-        loss_ema = value if loss_ema is None else 0.95 * loss_ema + 0.05 * value
-        elapsed = time.time() - start
-        if cfg.steps is None and step == CALIBRATION_STEPS:
-            total = max(cfg.warmup + 1, budgeted_count(name, step, elapsed, budget_s, None))
-            rechecks = list(RECHECK_AT)
-            log(f"{name}: {elapsed / step:.2f} s/step -> {total} steps for {cfg.minutes:g} min")
-        while rechecks and step >= max(CALIBRATION_STEPS + 1, int(total * rechecks[0])):
-            rechecks.pop(0)
-            total = budgeted_count(f"{name} steps", step, elapsed, budget_s, total)
-        if after_step is not None:
-            after_step(step, total)
-            model.train()
-        if step % cfg.log_every == 0 or step == total:
-            log(f"{name} step {step}/{total} loss {value:.3f} (ema {loss_ema:.3f}) lr {cur_lr:.2e} "
-                f"elapsed {elapsed / 60:.1f} min eta {(total - step) * elapsed / step / 60:.1f} min")
-    model.eval()
-    return dict(steps=step, seconds=time.time() - start, final_loss_ema=loss_ema, batch=cfg.batch, lr=cfg.lr,
-                warmup=cfg.warmup)
-
+from .loop import budgeted_count, log
+from .stdlib_corpus import PAD, Windows
 
 def lm_loss(model, x: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy on a batch of windows [B, T]."""
+    x = x.to(model.device)
     return model(input_ids=x, labels=x).loss
 
 
@@ -139,7 +56,7 @@ def generate_pool(target, data: Windows, *, seqs: int | None, minutes: float, ba
         n = batch if target_seqs is None else min(batch, target_seqs - len(rows))
         P = int(torch.randint(prefix_range[0], prefix_range[1] + 1, (1,), generator=gen))
         picks = data.starts[torch.randint(len(data), (n,), generator=gen).numpy()]
-        seq = torch.from_numpy(np.stack([data.row(int(s), P) for s in picks]))  # [n, P]
+        seq = torch.from_numpy(np.stack([data.row(int(s), P) for s in picks])).to(target.device)  # [n, P]
         cache = DynamicCache()
         tops = [target(input_ids=seq, cache=cache, use_cache=True).logits.float().log_softmax(-1).topk(top_k, -1)]
         for _ in range(new_tokens):
@@ -149,6 +66,7 @@ def generate_pool(target, data: Windows, *, seqs: int | None, minutes: float, ba
                         .topk(top_k, -1))
         ids = torch.cat([t.indices for t in tops], 1)[:, :-1]  # [n, len - 1, K]: after positions 0..len-2
         values = torch.cat([t.values for t in tops], 1)[:, :-1]  # [n, len - 1, K]
+        seq, ids, values = seq.cpu(), ids.cpu(), values.cpu()
         pad = L - seq.shape[1]
         rows += list(F.pad(seq, (0, pad), value=PAD).numpy())
         top_ids += list(F.pad(ids, (0, 0, 0, pad), value=PAD).numpy())
@@ -207,16 +125,25 @@ class PoolBatches:
             self.pos += 1
         return np.array(picked)
 
+    def state_dict(self) -> dict:
+        return {"gen": self.gen.get_state(), "order": self.order, "pos": self.pos, "passes": self.passes}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.gen.set_state(state["gen"])
+        self.order, self.pos, self.passes = state["order"], state["pos"], state["passes"]
+
 
 def make_distill_loss(pool: Pool, alpha: float):
     """alpha x cross-entropy against the target's top-K distribution (renormalised) + (1 - alpha) x
     cross-entropy on the target's argmax, over every real position of the pool rows (prefix included)."""
     def distill_loss(model, picked: np.ndarray) -> torch.Tensor:
         L = int(pool.lengths[picked].max())
-        x = torch.from_numpy(pool.tokens[picked, :L])  # [B, L]
-        ids = torch.from_numpy(pool.top_ids[picked, : L - 1])  # [B, L-1, K]
-        teacher = torch.from_numpy(pool.top_logp[picked, : L - 1]).softmax(-1)  # [B, L-1, K] renormalised
-        real = torch.arange(L - 1)[None, :] < torch.from_numpy(pool.lengths[picked])[:, None] - 1  # [B, L-1]
+        dev = model.device
+        x = torch.from_numpy(pool.tokens[picked, :L]).to(dev)  # [B, L]
+        ids = torch.from_numpy(pool.top_ids[picked, : L - 1]).to(dev)  # [B, L-1, K]
+        teacher = torch.from_numpy(pool.top_logp[picked, : L - 1]).to(dev).softmax(-1)  # [B, L-1, K] renormalised
+        lengths = torch.from_numpy(pool.lengths[picked]).to(dev)  # [B]
+        real = torch.arange(L - 1, device=dev)[None, :] < lengths[:, None] - 1  # [B, L-1]
         logp = model(input_ids=x).logits[:, :-1].float().log_softmax(-1)  # [B, L-1, V]
         top_logp = logp.gather(-1, ids)  # [B, L-1, K]
         soft = -(teacher * top_logp).sum(-1)  # [B, L-1]
@@ -227,6 +154,21 @@ def make_distill_loss(pool: Pool, alpha: float):
     return distill_loss
 
 
-def window_batches(data: Windows, size: int):
-    return lambda: data.batch(size)
+class WindowBatches:
+    """`size` seeded random training windows per call (the target's batches)."""
+
+    def __init__(self, data: Windows, size: int):
+        self.data, self.size = data, size
+
+    def __call__(self) -> torch.Tensor:
+        return self.data.batch(self.size)
+
+    def state_dict(self) -> dict:
+        d = self.data
+        return {"gen": d.gen.get_state(), "order": d.order, "pos": d.pos, "epoch": d.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        d = self.data
+        d.gen.set_state(state["gen"])
+        d.order, d.pos, d.epoch = state["order"], state["pos"], state["epoch"]
 

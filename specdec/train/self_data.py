@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import file_sha256
+from .records import file_sha256
 
 CATEGORIES = (
     "writing", "creative story", "poem", "role-play", "logical reasoning", "math word problem", "arithmetic",
@@ -65,6 +65,23 @@ def clean_question(text: str) -> str | None:
     return text if len(text) >= 12 else None
 
 
+def answer(llm, questions: list[str], answer_tokens: int, log=print) -> dict:
+    """Each question chat-templated and answered greedily by the target: {"sequences": [[prompt ids + answer
+    ids], ...], "prompt_lengths": [...]}."""
+    from specdec import SamplingParams
+
+    t0 = time.time()
+    prompts = llm.encode(questions, chat=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=answer_tokens),
+                        use_tqdm=True)
+    generated = sum(len(o.token_ids) for o in outs)
+    seconds = max(time.time() - t0, 1e-9)
+    log(f"answers: {generated:,} answer tokens of {len(questions)} prompts ({seconds:.0f} s, "
+        f"{generated / seconds:.0f} tok/s)")
+    return {"sequences": [p + list(o.token_ids) for p, o in zip(prompts, outs)],
+            "prompt_lengths": [len(p) for p in prompts]}
+
+
 def generate(target: Path, cfg: SelfDataConfig, log=print) -> dict:
     """{"questions": [...], "sequences": [[prompt ids + greedy answer ids], ...], "prompt_lengths": [...],
     "seconds": ...}; the questions are the target's own."""
@@ -78,15 +95,7 @@ def generate(target: Path, cfg: SelfDataConfig, log=print) -> dict:
     outs = llm.generate(prompt_token_ids=llm.encode(asks, chat=True), sampling_params=params, use_tqdm=True)
     questions = list(dict.fromkeys(q for q in (clean_question(o.text) for o in outs) if q))
     log(f"self-data: {len(questions)} usable questions of {len(asks)} ({time.time() - t0:.0f} s)")
-    t1 = time.time()
-    prompts = llm.encode(questions, chat=True)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=cfg.answer_tokens),
-                        use_tqdm=True)
-    sequences = [p + list(o.token_ids) for p, o in zip(prompts, outs)]
-    generated = sum(len(o.token_ids) for o in outs)
-    log(f"self-data: {generated:,} answer tokens ({time.time() - t1:.0f} s, {generated / (time.time() - t1):.0f} tok/s)")
-    return {"questions": questions, "sequences": sequences, "prompt_lengths": [len(p) for p in prompts],
-            "seconds": time.time() - t0}
+    return {"questions": questions, **answer(llm, questions, cfg.answer_tokens, log), "seconds": time.time() - t0}
 
 
 def keyed_cache(path: Path, key: dict, make, what: str, log=print) -> dict:
@@ -108,23 +117,3 @@ def keyed_cache(path: Path, key: dict, make, what: str, log=print) -> dict:
 def load_or_generate(target: Path, cfg: SelfDataConfig, cache: Path, log=print) -> dict:
     key = {"target_sha256": file_sha256(str(target), 64), **asdict(cfg)}
     return keyed_cache(cache, key, lambda: generate(target, cfg, log), "self-data", log)
-
-
-def main(argv=None) -> None:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m bench.default_pair.self_data",
-                                 description="Generate (or load) the self-written training text of a chat target.")
-    ap.add_argument("--target", type=Path, required=True, help="the target's .gguf or checkpoint directory")
-    ap.add_argument("--cache", type=Path, required=True, help="the .pt file the text is cached in")
-    ap.add_argument("--questions", type=int, default=SelfDataConfig.questions, help="questions to ask for")
-    ap.add_argument("--answer-tokens", type=int, default=SelfDataConfig.answer_tokens, help="greedy answer length")
-    ap.add_argument("--batch-size", type=int, default=SelfDataConfig.batch_size, help="engine rows")
-    ap.add_argument("--seed", type=int, default=SelfDataConfig.seed, help="seed of the question order and sampling")
-    a = ap.parse_args(argv)
-    load_or_generate(a.target, SelfDataConfig(questions=a.questions, answer_tokens=a.answer_tokens,
-                                              batch_size=a.batch_size, seed=a.seed), a.cache)
-
-
-if __name__ == "__main__":
-    main()

@@ -2,6 +2,8 @@
 and greedy speculative decoding at batch 1 in specdec's runtime (acceptance, tokens per target call)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -73,3 +75,52 @@ def agreement_on_greedy(target, draft, prompt_ids: list[list[int]], outputs: lis
     return {"agreement": a.mean().item(), "near_tie_fraction": near.float().mean().item(),
             "agreement_near_ties": a[near].mean().item() if near.any() else float("nan"),
             "agreement_elsewhere": a[~near].mean().item() if (~near).any() else float("nan")}
+
+
+def acceptance_table(evaluation: dict) -> str:
+    """The acceptance by draft position of each evaluation (name -> `speculative_acceptance` stats), as text."""
+    k = max(len(ev["acceptance_by_position"]) for ev in evaluation.values())
+    width = max(len(name) for name in evaluation)
+    head = f"{'prompts':<{width}}  n   " + " ".join(f"pos {i + 1:>2}" for i in range(k)) + "  overall  tok/call  == AR"
+    rows = [head, "-" * len(head)]
+    for name, ev in evaluation.items():
+        by = " ".join(f"{a:>6.3f}" for a in ev["acceptance_by_position"])
+        rows.append(f"{name:<{width}} {ev['prompts']:>3}   {by}  {ev['acceptance']:>7.3f}  "
+                    f"{ev['tokens_per_target_call']:>8.2f}  {ev['matches_greedy']}/{ev['prompts']}")
+    return "\n".join(rows)
+
+
+def acceptance_plot(evaluation: dict, path, curve: list[dict] | None = None) -> str:
+    """Acceptance by draft position of each evaluation (and, given a training curve of {"step", "top1..."}
+    points, the curve beside it) as a PNG at `path`; a line saying why when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return f"plot skipped: matplotlib is not installed (pip install matplotlib) - {path} not written"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 2 if curve else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.8), squeeze=False)
+    if curve:
+        left = axes[0][0]
+        steps = [c["step"] for c in curve]
+        for key in sorted(k for k in curve[0] if k.startswith("top1")):
+            left.plot(steps, [c[key] for c in curve], marker="o", label=key.replace("_", " "))
+        left.set(xlabel="training step", ylabel="held-out top-1 = target's next token", title="training curve")
+        left.grid(alpha=0.3)
+        left.legend()
+    right = axes[0][-1]
+    for name, ev in evaluation.items():
+        by = ev["acceptance_by_position"]
+        right.plot(range(1, len(by) + 1), by, marker="o", label=f"{name} (overall {ev['acceptance']:.2f})")
+    k = max(len(ev["acceptance_by_position"]) for ev in evaluation.values())
+    right.set(xlabel="draft position", ylabel="share of steps accepting it", ylim=(0, 1),
+              title=f"greedy acceptance by position, k = {k}")
+    right.grid(alpha=0.3)
+    right.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return f"wrote {path}"

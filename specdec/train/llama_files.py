@@ -1,4 +1,4 @@
-"""Model shapes, construction, and saving/loading the pair as ordinary HF checkpoint directories."""
+"""The small draft's models: shapes, construction, and saving/loading as ordinary HF checkpoint directories."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .data import BOS, EOS, PAD
+from .stdlib_corpus import BOS, EOS, PAD
 
 ARCH_KEYS = ("hidden", "layers", "heads", "kv_heads", "ffn")
 
@@ -36,6 +36,20 @@ def parse_arch(text: str) -> dict[str, int]:
     if arch["hidden"] % arch["heads"] or arch["heads"] % arch["kv_heads"]:
         raise ValueError(f"architecture {text!r}: hidden must divide by heads and heads by kv_heads")
     return arch
+
+
+def arch_of(config) -> dict[str, int]:
+    """The `parse_arch` dict of a LlamaConfig (a saved target's shape)."""
+    return {"hidden": config.hidden_size, "layers": config.num_hidden_layers, "heads": config.num_attention_heads,
+            "kv_heads": config.num_key_value_heads, "ffn": config.intermediate_size}
+
+
+def fingerprint_of(target_dir: Path) -> str:
+    """The fingerprint specdec's shipped-draft lookup (specdec/drafts.py) matches a target by."""
+    from specdec.models import load_model
+    from specdec.models.feature_draft import fingerprint
+
+    return fingerprint(load_model(str(target_dir), dtype="float32"))
 
 
 def llama_config(arch: dict[str, int], vocab_size: int, ctx: int):
@@ -81,8 +95,9 @@ def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def save_checkpoint(model, out: Path, tokenizer_model: bytes) -> None:
-    """bfloat16 safetensors + config + generation config + tokenizer.model/.json; replaces `out`'s files."""
+def save_checkpoint(model, out: Path, tokenizer_model: bytes, target_fingerprint: str | None = None) -> None:
+    """bfloat16 safetensors + config + generation config + tokenizer.model/.json; replaces `out`'s files. A
+    draft's config also names its target's fingerprint (`target_fingerprint`, as the shipped drafts do)."""
     from transformers import AutoTokenizer, GenerationConfig
 
     out.mkdir(parents=True, exist_ok=True)
@@ -96,6 +111,8 @@ def save_checkpoint(model, out: Path, tokenizer_model: bytes) -> None:
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["dtype"] = cfg["torch_dtype"] = "bfloat16"  # older readers look for torch_dtype
+    if target_fingerprint is not None:
+        cfg["target_fingerprint"] = target_fingerprint
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     (out / "tokenizer.model").write_bytes(tokenizer_model)
     (out / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
