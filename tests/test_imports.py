@@ -104,7 +104,7 @@ def test_graph_sees_the_project():
     graph = import_graph()
     for module in ("specdec.models.loader", "specdec.models.gguf", "specdec.kernels.rejection", "specdec.engine",
                    "specdec.serve.app", "specdec.schedulers.exspec", "specdec.proposers", "bench.common",
-                   "bench.default_pair.train"):
+                   "specdec.train.loop"):
         assert module in graph
     # relative, absolute, aliased (models/ -> specdec.models) and function-local imports are all edges
     assert "specdec.models.transformer" in graph["specdec.models.loader"]
