@@ -7,9 +7,11 @@ others are refused by name), and dequantizes each tensor with the `gguf` library
 `gguf.quants.dequantize` (every type it can dequantize: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the
 K-quants, the IQ types) a bounded chunk of rows at a time, straight into its final buffer in the caller's
 dtype, from a memory map whose pages are released after each tensor. So the peak memory is the final
-model plus one chunk's float32 temporaries. llama.cpp's converter permutes the rows of a llama model's
-Q and K projections (it rotates adjacent pairs, HF rotates halves); `unpermute_rows` undoes that. A file
-without `output.weight` ties the head to the embedding.
+model plus one chunk's float32 temporaries. With `quantize="int4"`, Q4_0, Q4_1 and Q4_K tensors are
+taken as stored instead (their blocks are int4 groups of 32: `int4_codes`), never dequantized. llama.cpp's
+converter permutes the rows of a llama model's Q and K projections (it rotates adjacent pairs, HF rotates
+halves); `unpermute_rows` undoes that, on codes, scales and zeros alike. A file without `output.weight`
+ties the head to the embedding.
 
 Every tensor's name, type, shape, extent in the file and first row (dequantized) are checked before any
 weight is written into the model: a truncated file, an unknown or undequantizable type, an unsupported
@@ -276,6 +278,43 @@ def q4_codes(raw: np.ndarray, qtype: str):
     return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zeros)
 
 
+Q4_K_BLOCK_BYTES = 144  # 256 weights: float16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
+INT4_AS_STORED = (*Q4_TYPES, "Q4_K")  # loaded into int4 as stored (never dequantized)
+
+
+def q4k_scales_mins(packed: np.ndarray):
+    """Q4_K's 8 sub-block scales and mins (6 bits each) from their 12 bytes: uint8 [..., 12] -> two
+    uint8 [..., 8]. Bytes 0-3: scale j (low 6 bits) and the top 2 bits of scale j + 4; bytes 4-7: the same
+    for the mins; bytes 8-11: the low 4 bits of scale j + 4 (low nibble) and of min j + 4 (high nibble)."""
+    lo_sc, lo_m, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]  # [..., 4] each
+    scales = np.concatenate((lo_sc & 63, (hi & 15) | ((lo_sc >> 6) << 4)), axis=-1)  # [..., 8]
+    mins = np.concatenate((lo_m & 63, (hi >> 4) | ((lo_m >> 6) << 4)), axis=-1)  # [..., 8]
+    return scales, mins
+
+
+def q4k_codes(raw: np.ndarray):
+    """Q4_K rows as int4 codes (models/quant.py): raw uint8 [r, bytes per row] -> codes uint8 [r, K], scales
+    and zeros float32 [r, K/32]. A super-block of 256 weights is 8 sub-blocks of 32 with w = d sc q - dmin m
+    (sc, m its sub-block's 6-bit scale and min, d and dmin the block's float16s): exactly our group of 32
+    with scale = d sc and zero = 8 d sc - dmin m, since (q - 8) d sc + 8 d sc - dmin m = d sc q - dmin m.
+    Nibbles: bytes 32c..32c+31 hold sub-block 2c in their low nibbles and sub-block 2c + 1 in their high."""
+    r = raw.shape[0]
+    blocks = raw.reshape(r, -1, Q4_K_BLOCK_BYTES)  # [r, S, 144]
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).astype(np.float32)  # [r, S, 1]
+    dmin = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).astype(np.float32)  # [r, S, 1]
+    sc, m = q4k_scales_mins(blocks[..., 4:16])  # [r, S, 8] each
+    qs = blocks[..., 16:].reshape(r, -1, 4, 1, 32)  # [r, S, 4 pairs of sub-blocks, 1, 32 bytes]
+    codes = np.concatenate((qs & 15, qs >> 4), axis=-2).reshape(r, -1)  # [r, K]: sub-blocks in order
+    scales = d * sc.astype(np.float32)  # [r, S, 8]: exact in float32 (11 x 6 bits)
+    zeros = 8 * scales - dmin * m.astype(np.float32)  # [r, S, 8]
+    return torch.from_numpy(codes), torch.from_numpy(scales.reshape(r, -1)), torch.from_numpy(zeros.reshape(r, -1))
+
+
+def int4_codes(raw: np.ndarray, qtype: str):
+    """Rows of a type in INT4_AS_STORED as int4 codes, scales and zeros (`q4_codes`, `q4k_codes`)."""
+    return q4k_codes(raw) if qtype == "Q4_K" else q4_codes(raw, qtype)
+
+
 def unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K permutation. Its converter interleaves each head's two halves (HF rotates
     halves, llama.cpp rotates adjacent pairs): HF row r + h * D/2 of a head (h = 0, 1) becomes row 2r + h.
@@ -373,14 +412,14 @@ class GGUFTensors:
         self.file.release(self.names[name])
 
     def read_quantized(self, name: str, rows: QuantRows, offset: int = 0, label: str | None = None) -> None:
-        """Weight `name` into the quantized rows `rows` from row `offset` on (a fused projection's part): Q4_0
-        and Q4_1 blocks as stored when `rows` is int4 (never dequantized), any other type dequantized a
+        """Weight `name` into the quantized rows `rows` from row `offset` on (a fused projection's part): Q4_0,
+        Q4_1 and Q4_K blocks as stored when `rows` is int4 (never dequantized), any other type dequantized a
         bounded chunk at a time and quantized."""
         t = self.names[name]
-        as_stored = rows.fmt == "int4" and t.qtype.name in Q4_TYPES
+        as_stored = rows.fmt == "int4" and t.qtype.name in INT4_AS_STORED
         for first, last, heads in self._chunks(name):
             if as_stored:
-                parts = q4_codes(self.file.raw_rows(t, first, last), t.qtype.name)  # codes [r, K], scales, zeros
+                parts = int4_codes(self.file.raw_rows(t, first, last), t.qtype.name)  # codes [r, K], scales, zeros
             else:
                 parts = (torch.from_numpy(self._rows(name, first, last)),)  # [r, K] float32
             if heads is not None:
@@ -413,8 +452,8 @@ def gguf_name(hf: str) -> str:
 def load_gguf_model(path, dtype=torch.float32, device="cpu", fuse: bool = True,
                     check_weights: bool = False, quantize: str | None = None) -> Transformer:
     """Load a GGUF file into our Transformer (see the module docstring). `dtype` is a torch dtype;
-    `quantize` "int8" / "int4" keeps the linear weights quantized (models/quant.py; Q4_0 / Q4_1 tensors as
-    stored when int4)."""
+    `quantize` "int8" / "int4" keeps the linear weights quantized (models/quant.py; Q4_0 / Q4_1 / Q4_K tensors
+    as stored when int4)."""
     path = os.fspath(path)
     device = torch.device(device)
     weights = GGUFTensors(path)

@@ -14,7 +14,7 @@ from real_model import write_gguf
 from specdec import LLM, SamplingParams
 from specdec.models import load_model
 from specdec.models.errors import CheckpointError
-from specdec.models.gguf import Q4_TYPES, q4_codes
+from specdec.models.gguf import Q4_K_BLOCK_BYTES, Q4_TYPES, q4_codes, q4k_codes
 from specdec.models.quant import (FORMATS, GROUP, QuantEmbedding, QuantizationError, QuantLinear, QuantRows,
                                   dequantize_int4, quantize_int4_rows, quantize_int8_rows)
 
@@ -43,6 +43,53 @@ def test_q4_blocks_as_stored_equal_the_gguf_library_dequantization(qtype):
     assert ((layer.dequantize() - reference).abs() <= tol + 1e-7).all()
     x = torch.randn(5, 4 * GROUP)
     assert ((layer(x) - x @ reference.t()).abs() <= bf16_tolerance(x, reference) + x.abs() @ tol.t()).all()
+
+
+def encode_q4_k(w: np.ndarray) -> np.ndarray:
+    """A plain Q4_K encoder (the gguf library has none): w float32 [N, K] (K % 256 == 0) -> uint8 [N, K/256 * 144].
+    Each sub-block of 32 maps [min(w, 0), max(w)] onto codes 0..15; w = d sc q - dmin m."""
+    N, K = w.shape
+    sub = w.reshape(N, K // 256, 8, 32)  # [N, S, 8, 32]
+    lo, hi = np.minimum(sub.min(-1), 0), sub.max(-1)  # [N, S, 8]
+    step, low = (hi - lo) / 15, -lo  # the sub-blocks' ideal scale and min
+    d = (step.max(-1) / 63).astype(np.float16)  # [N, S]
+    dmin = (low.max(-1) / 63).astype(np.float16)
+    df, dminf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]  # [N, S, 1]
+    sc = np.clip(np.round(np.divide(step, df, out=np.zeros_like(step), where=df > 0)), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(np.divide(low, dminf, out=np.zeros_like(low), where=dminf > 0)), 0, 63).astype(np.uint8)
+    scale, offset = (df * sc)[..., None], (dminf * m)[..., None]  # [N, S, 8, 1]
+    q = np.clip(np.round(np.divide(sub + offset, scale, out=np.zeros_like(sub), where=scale > 0)), 0, 15)
+    q = q.astype(np.uint8).reshape(N, K // 256, 4, 2, 32)  # sub-blocks 2c and 2c + 1 share bytes 32c..32c+31
+    packed = np.concatenate((  # [N, S, 12]: see models/gguf.py q4k_scales_mins
+        (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6), (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6),
+        (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)), axis=-1)
+    blocks = np.concatenate((d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed,
+                             (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(N, K // 256, 128)), axis=-1)
+    return np.ascontiguousarray(blocks.reshape(N, -1))
+
+
+def test_q4_k_blocks_as_stored_equal_the_gguf_library_dequantization():
+    """Q4_K super-blocks (random bytes: every scale and min bit pattern, and an encoded float weight) as int4
+    groups of 32: exactly the file's numbers in float32, and within the bfloat16 rounding of scale and zero
+    as the layer holds them."""
+    rng = np.random.default_rng(0)
+    random_bytes = rng.integers(0, 256, size=(6, 2 * Q4_K_BLOCK_BYTES), dtype=np.uint8)  # [N, 2 super-blocks]
+    halves = rng.uniform(1e-4, 1e-2, size=(6, 2, 2)).astype(np.float16).view(np.uint8)  # d, dmin: positive
+    random_bytes.reshape(6, 2, Q4_K_BLOCK_BYTES)[..., :4] = halves.reshape(6, 2, 4)
+    encoded = encode_q4_k(rng.standard_normal((10, 512)).astype(np.float32))
+    for raw in (random_bytes, encoded):
+        reference = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)).float()
+        codes, scales, zeros = q4k_codes(raw)
+        assert codes.shape == reference.shape and int(codes.max()) <= 15 and scales.shape[1] == 512 // GROUP
+        ours = dequantize_int4(codes, scales, zeros)
+        assert (ours - reference).abs().max() <= 1e-6 * reference.abs().max()  # float32 rounding of zero only
+        layer = QuantLinear("int4", codes, scales, zeros)
+        tol = (8 * scales.abs().repeat_interleave(GROUP, 1) + zeros.abs().repeat_interleave(GROUP, 1)
+               + reference.abs()) * 2 * BF16_EPS
+        assert ((layer.dequantize() - reference).abs() <= tol + 1e-7).all()
+    w = rng.standard_normal((10, 512)).astype(np.float32)  # the encoder is a real quantizer (checks the test)
+    back = gguf.quants.dequantize(encode_q4_k(w), gguf.GGMLQuantizationType.Q4_K)
+    assert np.abs(back - w).max() < 0.25 * np.abs(w).max()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -125,15 +172,20 @@ def test_gguf_quantized_types_load_quantized(tmp_path, qtype):
         hidden_states_agree(model, floats, [5, 17, 3, 99, 42, 7, 1, 100], top1=0.75, rel=0.03)
 
 
-def test_llama_qk_permutation_is_undone_on_quantized_rows(tmp_path):
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])
+def test_llama_qk_permutation_is_undone_on_quantized_rows(tmp_path, monkeypatch, qtype):
     """A Q4 file's Q/K rows as stored are llama.cpp's order: the codes, scales and zeros move with them."""
-    hf = build_hf_model("llama", seed=4, hidden_size=64, intermediate_size=96)
-    path = tmp_path / "llama-q41.gguf"
-    write_gguf(path, hf.config, hf.state_dict(), qtype=gguf.GGMLQuantizationType.Q4_1)
+    hf = build_hf_model("llama", seed=4, hidden_size=256, intermediate_size=256)  # Q4_K: rows of 256
+    quantize = gguf.quants.quantize
+    monkeypatch.setattr(gguf.quants, "quantize", lambda a, kind: encode_q4_k(a)  # the library has no Q4_K encoder
+                        if kind == gguf.GGMLQuantizationType.Q4_K else quantize(a, kind))
+    path = tmp_path / f"llama-{qtype}.gguf"
+    write_gguf(path, hf.config, hf.state_dict(), qtype=gguf.GGMLQuantizationType[qtype])
     floats, model = load_model(path), load_model(path, quantize="int4")
-    want = floats.layers[1].self_attn.qkv_proj.weight
-    got = model.layers[1].self_attn.qkv_proj.dequantize()
-    assert (got - want).abs().max() <= 4 * BF16_EPS * want.abs().max()
+    for name in ("layers.1.self_attn.qkv_proj", "layers.0.mlp.down_proj"):
+        want = floats.get_submodule(name).weight
+        got = model.get_submodule(name).dequantize()
+        assert (got - want).abs().max() <= 4 * BF16_EPS * want.abs().max(), name
 
 
 def test_untied_head_and_biases_quantize(tmp_path):
