@@ -9,9 +9,10 @@ Formats (models/quant.py's; both dequantize as w = (code - offset) * scale + zer
 - Triton (CUDA; the CPU under `TRITON_INTERPRET=1`): written for the few rows of decode and verify steps
   (M = B * (k + 1), 1..64): one program per `[BLOCK_M, BLOCK_N]` output tile (grid (cdiv(N, BLOCK_N),
   cdiv(M, BLOCK_M))), a K loop in order in `BLOCK_K` steps. Each step loads the tile's codes (and their
-  group's scale and zero), dequantizes them in registers to float32, and adds
-  `tl.sum(x[:, None, :] * w[None, :, :], axis=2)` to one float32 accumulator; no `tl.dot`, no split-K, no
-  autotuning: the tiles are constants (`TILES`). Every (row, column) of the output is then the same
+  group's scale and zero), dequantizes them in registers to float32, and adds `x[:, None, :] * w[None, :, :]`
+  to a `[BLOCK_M, BLOCK_N, BLOCK_K]` float32 accumulator (each K lane sums its own inputs in K order); one
+  `tl.sum` over the lanes after the loop. No `tl.dot`, no split-K, no autotuning: the tiles are constants
+  (`TILES`). Every (row, column) of the output is then the same
   sequence of operations in every call, whatever M or the other rows: the kernel is batch-invariant by
   construction (a blocked layout reduces every row's products along K in the same pattern), and under the
   interpreter too (numpy's sum of each element's K slice). The products and sums are float32 (x is
@@ -36,8 +37,9 @@ FORMATS = ("int8", "int4")
 GROUP = 32  # int4: inputs per (scale, zero) group
 INT4_OFFSET = 8
 # fixed tiles (never tuned per shape: another tile would be another summation order): (BLOCK_M, BLOCK_N,
-# BLOCK_K); int4's BLOCK_K is a multiple of GROUP. 8 x 32 x 32 products per step = 64 float32 per thread.
-TILES = {"int4": (8, 32, 32), "int8": (8, 32, 32)}
+# BLOCK_K); int4's BLOCK_K is a multiple of GROUP. A [BLOCK_M, BLOCK_N, BLOCK_K (int4: / 2)] float32
+# accumulator of 8 x 32 x 32 = 64 registers per thread.
+TILES = {"int4": (8, 32, 64), "int8": (8, 32, 32)}
 NUM_WARPS = 4  # fixed as well: the warps set the reduction's layout
 
 
@@ -149,16 +151,17 @@ def _quant_matmul_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """One program per [BLOCK_M, BLOCK_N] tile of y: K walked in order, the weight tile dequantized in
-    registers, one float32 accumulator, products summed with tl.sum (a fixed order per element)."""
+    registers, products added to a [BLOCK_M, BLOCK_N, lanes of K] float32 accumulator, reduced over K by
+    one tl.sum after the loop (a fixed order per element)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of W / columns of y
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x / y
     rm64 = rm.to(tl.int64)
     rn64 = rn.to(tl.int64)
     m_ok = rm < M
     n_ok = rn < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if INT4:
         rj = tl.arange(0, BLOCK_K // 2)  # [BLOCK_K/2] byte j of the step holds inputs 2j (low nibble) and 2j + 1 (high)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // 2], dtype=tl.float32)  # per-lane partial sums
         for k0 in range(0, K, BLOCK_K):
             even = k0 + 2 * rj  # [BLOCK_K/2] input index of each low nibble
             k_ok = even < K
@@ -175,10 +178,11 @@ def _quant_matmul_kernel(
                            mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K/2]
             x_hi = tl.load(x_ptr + rm64[:, None] * stride_xm + (even + 1)[None, :] * stride_xk,
                            mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K/2]
-            prod = x_lo[:, None, :] * w_lo[None, :, :] + x_hi[:, None, :] * w_hi[None, :, :]  # [BM, BN, BK/2]
-            acc += tl.sum(prod, axis=2)
+            acc3 += x_lo[:, None, :] * w_lo[None, :, :] + x_hi[:, None, :] * w_hi[None, :, :]  # [BM, BN, BK/2]
+        acc = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]: one reduction across lanes, after the K loop
     else:
         rk = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)  # per-lane partial sums
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk  # [BLOCK_K]
             k_ok = kk < K
@@ -186,7 +190,8 @@ def _quant_matmul_kernel(
                         mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.float32)  # [BLOCK_N, BLOCK_K] codes
             xk = tl.load(x_ptr + rm64[:, None] * stride_xm + kk[None, :] * stride_xk,
                          mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
-            acc += tl.sum(xk[:, None, :] * w[None, :, :], axis=2)  # [BLOCK_M, BLOCK_N]
+            acc3 += xk[:, None, :] * w[None, :, :]  # [BLOCK_M, BLOCK_N, BLOCK_K]
+        acc = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
         scale = tl.load(s_ptr + rn64 * stride_sn, mask=n_ok, other=0.0).to(tl.float32)  # [BLOCK_N]
         acc = acc * scale[None, :]  # the row's scale once, after its sum of x * code
     tl.store(y_ptr + rm64[:, None] * stride_ym + rn64[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
