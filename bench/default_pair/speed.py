@@ -29,7 +29,7 @@ from specdec.flags import k_value
 from specdec.prompts import read_prompts
 from specdec.timing import PrefilledCache
 
-from .pipeline import REPO
+REPO = Path(__file__).resolve().parents[2]
 
 ASSETS = REPO / "specdec/assets"
 

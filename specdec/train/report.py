@@ -44,7 +44,28 @@ def _spec_row(name: str, s: dict | None) -> str:
             f"{by_position} | {s['tokens_per_target_call']:.2f} | {s['matches_greedy']} of {s['prompts']} |")
 
 
-RUN_KINDS = {"full": "tokenizer, target, pool and draft", "draft-only": "draft only (`--reuse-target`)"}
+LEGACY = "python -m bench.default_pair"  # the trainer's name before it moved into the package
+# what the legacy command's implicit outputs were, and its flags that specdec.train names otherwise
+LEGACY_OUTPUTS = ("--target specdec/assets/default_pair/target --out specdec/assets/default_pair/draft "
+                  "--prompts-out specdec/assets/prompts.txt --doc docs/default_pair.md "
+                  "--results bench/default_pair/results.json")
+LEGACY_FLAGS = {"--draft-steps": "--steps", "--minutes-draft": "--minutes", "--batch-draft": "--batch",
+                "--lr-draft": "--lr"}
+
+
+def current_command(command: str) -> str:
+    """A recorded command as `specdec.train` runs it today: a full run of the legacy trainer (which wrote the
+    shipped pair by default) becomes `small --train-target` with those outputs; other commands stay as they are."""
+    if not command.startswith(LEGACY + " ") and command != LEGACY:
+        return command
+    args = command[len(LEGACY):].split()
+    if "--reuse-target" in args or "--out" in args:
+        raise ValueError(f"no automatic translation of {command!r}")
+    args = [LEGACY_FLAGS.get(a, a) for a in args]
+    return " ".join(["python -m specdec.train small --train-target", LEGACY_OUTPUTS, *args])
+
+
+RUN_KINDS = {"full": "tokenizer, target, pool and draft", "draft-only": "draft only (a saved target)"}
 
 
 def _runs(r: dict) -> list[dict]:
@@ -73,7 +94,7 @@ def _pool_and_draft_text(r: dict, a: dict) -> dict:
         if draft_only else "trained target",
         "t_pool": _minutes(pool["seconds"]) + (" (generated once, then loaded from `--pool-cache`)"
                                                if pool.get("loaded_from_cache") else ""),
-        "d_count_source": "fixed by `--draft-steps`" if a["draft_steps"] else f"calibrated for {a['minutes_draft']:g} min",
+        "d_count_source": "fixed by `--steps`" if a["draft_steps"] else f"calibrated for {a['minutes_draft']:g} min",
         "init_text": f"transformers' default (normal, std 0.02); for the draft, {init}.",
         "t_draft": _minutes(dt["seconds"]),
     }
@@ -82,10 +103,11 @@ def _pool_and_draft_text(r: dict, a: dict) -> dict:
 def render(r: dict) -> str:
     """The markdown text for the results `r` of `small.run`."""
     a, ev, spec, diag = r["args"], r["heldout"], r["spec"], r["greedy_agreement"]
-    ta = r.get("target_args") or a  # the target's run: this one, or the one --reuse-target names
+    ta = r.get("target_args") or a  # the target's run: this one, or the one --target-results names
     tt, dt, pool = r["train_target"], r["train_draft"], r["pool"]
     runs = _runs(r)
-    commands = [run["command"] for run in runs]
+    commands = [current_command(run["command"]) for run in runs]
+    legacy = any(run["command"].startswith(LEGACY) for run in runs)
     intro = ("Commands (from the repository root; `--help` explains every flag). The pair was made in "
              f"{len(runs)} runs: the first trained the tokenizer and the target (its draft was replaced), "
              "the last trained the shipped draft against the saved target:" if len(runs) > 1 else
@@ -110,7 +132,9 @@ def render(r: dict) -> str:
         "t_summary": " + ".join(f"**{_minutes(run['times']['total'])}**" for run in runs)
         + (f" ({len(runs)} runs)" if len(runs) > 1 else ""),
         "t_target_train": _minutes(tt["seconds"]),
-        "runs_intro": intro, "commands": "\n".join(commands),
+        "runs_intro": (intro[:-1] + ". The run was made by the trainer's earlier name,\n`bench.default_pair`, with "
+                       "these flags; shown as `specdec.train` runs it today:") if legacy else intro,
+        "commands": "\n".join(commands),
         "runs_table": "\n".join(_run_row(i + 1, run) for i, run in enumerate(runs)),
         "target_steps": tt["steps"], "draft_steps": dt["steps"], "pool_seqs": f"{pool['seqs']:,}",
         "pool_seqs_flag": pool["seqs"],

@@ -3,6 +3,7 @@
 saved pair, results (and, with --doc, docs/default_pair.md). See __main__.py for the flags."""
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -116,7 +117,7 @@ def run(args, argv=None) -> dict:
         prompts = read_prompts(str(args.prompts_out))
     bench_prompts = read_prompts(str(args.specbench))[: args.specbench_count] if args.specbench else []
 
-    # target: trained here, or the saved one (--reuse-target)
+    # target: trained here (--train-target), or the saved one
     draft_arch = llama_files.parse_arch(args.draft_arch)
     windows = stdlib_corpus.Windows(train_stream, newline, args.ctx, args.seed + 2)
     t_dir, d_dir = args.target, args.out
@@ -136,7 +137,9 @@ def run(args, argv=None) -> dict:
                         args.minutes_target, args.target_steps, args.log_every, device=args.device,
                         progress=not args.no_progress))
         times["target"] = train_target["seconds"]
-        llama_files.save_checkpoint(target, t_dir, sp_model)  # saved now: a later --resume of the draft reuses it
+        # saved now (a later --resume of the draft reuses it), from a copy: saving rounds the weights to bfloat16,
+        # and the pool below is the float32 target's, as in the run that made the shipped pair
+        llama_files.save_checkpoint(copy.deepcopy(target).cpu(), t_dir, sp_model)
     target.requires_grad_(False)
 
     # greedy pool, then the draft
