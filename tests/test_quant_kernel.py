@@ -197,3 +197,33 @@ def _compile_for_sm90():
 
 if __name__ == "__main__":
     _compile_for_sm90()
+
+
+@needs_triton
+def test_quantized_model_on_the_kernel_is_batch_invariant_bitwise(llama_pair, monkeypatch):
+    """A whole int4 model with the GPU layout, every linear through the Triton kernel (interpreter): a prompt's
+    last logits are the same bits alone and in a batch of prompts of other lengths."""
+    from specdec.models import load_model
+    from specdec.models import quant
+
+    monkeypatch.setattr(quant.QuantRows, "module", lambda self, bias=None, device="cpu": QuantLinear(
+        self.fmt, self.codes, self.scales, self.zeros, bias, cpu_kernels=False))  # the GPU layout, on the CPU
+    launches = []
+
+    def kernel(*args, **kwargs):
+        launches.append(1)
+        return qm.quant_matmul(*args, **kwargs, backend="triton")
+
+    monkeypatch.setattr(quant, "quant_matmul", kernel)
+    model = load_model(llama_pair[0], quantize="int4")
+    assert model.layers[0].mlp.gate_up_proj.nibbles.shape[1] == model.layers[0].mlp.gate_up_proj.in_features // 2
+    rows = [[5, 17, 3, 99, 42], [7, 1, 100, 8, 8, 64, 9, 30], [11]]
+    with torch.no_grad():
+        alone = [model(torch.tensor([r]), model.new_cache(1, 16), logits="last")[0, -1] for r in rows]
+        batch = torch.zeros(len(rows), 8, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            batch[i, : len(r)] = torch.tensor(r)
+        together = model(batch, model.new_cache(len(rows), 16), num_new=[len(r) for r in rows], logits="last")
+    assert launches  # the kernel ran
+    for i in range(len(rows)):
+        assert torch.equal(together[i, -1], alone[i]), i
