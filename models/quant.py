@@ -103,8 +103,9 @@ class QuantLinear(nn.Module):
 
     On the CPU an int4 weight is held only in torch's packed layout (`packed` [N, K/2] uint8 and
     `scales_zeros` [K/32, N, 2]) for torch's CPU kernels; elsewhere (or with `cpu_kernels=False`: how the
-    tests run the GPU path's layout and kernel on the CPU, under the Triton interpreter) as nibbles (`nibbles` [N, K/2]: weight 2j in the low nibble of
-    byte j) with `scales` and `zeros` [N, K/32]. An int8 weight is `codes` [N, K] and `scales` [N]."""
+    tests run the GPU path's layout and kernel on the CPU, under the Triton interpreter) as nibbles
+    (`nibbles` [N, K/2]: weight 2j in the low nibble of byte j) with `scales` and `zeros` [N, K/32]. An int8
+    weight is `codes` [N, K] and `scales` [N]."""
 
     def __init__(self, fmt: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, cpu_kernels: bool | None = None):
@@ -154,7 +155,9 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """y [..., N] in x's dtype. One path for every row count (each row computed on its own), so a
-        token's result never depends on what else is in the matmul; `invariant` needs nothing more."""
+        token's result never depends on what else is in the matmul; `invariant` needs nothing more. (Not so
+        for quant_matmul's torch reference, which runs off the CPU only where Triton does not: a device
+        other than CUDA, or SPECDEC_KERNELS=torch.)"""
         shape = x.shape
         if not self.on_cpu:  # kernels/quant_matmul.py (Triton on CUDA, else its reference): x's dtype, f32 sums
             if self.format == "int4":
