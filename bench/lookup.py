@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "B > 1: all prompts in one run of B rows per method (mixed categories), decode tokens/s = "
                    "tokens after the first / (wall time - prefill time)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--quantize", choices=("int8", "int4"), default=None, help="the target's weights kept quantized "
+                   "(int4: a Q4_0/Q4_1 file's blocks as stored); default float32. The feature draft is the one "
+                   "shipped for the float32 load of the same file")
     p.add_argument("--workload", choices=("specbench", "repeats"), default="specbench", help="specbench: by "
                    "category; repeats: templates asked with several inputs (what the suffix store buys)")
     p.add_argument("--out", default="bench/results/lookup.jsonl", help="JSONL of every timed request")
@@ -110,10 +113,11 @@ def repeat_prompts(tokenizer) -> list[tuple[str, list[int]]]:
 
 
 def make_llms(args, target, tokenizer, feature) -> dict[str, LLM]:
-    # packed_weights=True: the model object is packed once, as LLM(path) does by default (a verify of
+    # packed_weights=True: a float32 model object is packed once, as LLM(path) does by default (a verify of
     # several tokens costs little more than one decode step only with packed float32 weights)
     common = dict(target=target, tokenizer=tokenizer, batch_size=args.batch_size, device="cpu", cost_cache="",
-                  packed_weights=True, profile=args.batch_size > 1)  # profile: prefill timed apart
+                  packed_weights=args.quantize is None, quantize=args.quantize,
+                  profile=args.batch_size > 1)  # profile: prefill timed apart
     llms = {}
     for name in args.methods.split(","):
         if name == "ar":
@@ -143,11 +147,13 @@ def spread(values) -> str:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
-    target = load_model(args.target, dtype="float32", device="cpu")
+    target = load_model(args.target, dtype="float32", device="cpu", quantize=args.quantize)
     tokenizer = load_tokenizer(args.target)
-    feature = shipped_draft(target)
+    # the shipped draft is found by the float32 load's fingerprint (a quantized load's differs)
+    feature = shipped_draft(target if args.quantize is None else load_model(args.target, dtype="float32"))
     llms = make_llms(args, target, tokenizer, feature)
-    ar = llms.get("ar") or LLM(target=target, tokenizer=tokenizer, method="ar", batch_size=1, device="cpu")
+    ar = llms.get("ar") or LLM(target=target, tokenizer=tokenizer, method="ar", batch_size=1, device="cpu",
+                               quantize=args.quantize)
     prompts = build_prompts(args, tokenizer, ar) if args.workload == "specbench" else repeat_prompts(tokenizer)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     warm = [ids for _, ids in prompts[: args.batch_size]]
