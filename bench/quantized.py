@@ -7,7 +7,7 @@ Methods (`--methods`), each over the same chat-formatted SpecBench prompts and N
 - `int4@suffix`, `int4@feature`: auto k on the int4 target with the suffix drafter, and with the shipped
   feature draft for SmolLM2 (its weights borrowed from the target);
 - `lcpp`, `lcpp-lookup`: llama.cpp through llama-cpp-python (optional: `pip install llama-cpp-python`,
-  a ~15-minute build on 2 cores; docs/benchmarks.md says how the wheel is cached), the same file, the
+  a ~15-minute build on 2 cores; docs/benchmarks/quantized.md says how to build and cache the wheel), the same file, the
   same threads, greedy; `lcpp-lookup` is its prompt-lookup decoding (`LlamaPromptLookupDecoding`).
   It runs sequences one at a time: at batch B its figure is the B sequences' total throughput.
 

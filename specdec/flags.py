@@ -102,7 +102,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str = "rows dec
     p.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU float32: run steps of 2 to 64 token rows through oneDNN on linear weights packed "
                         "once (one extra copy of them; 1.2-1.5x faster multi-token forwards of the default pair, "
-                        "docs/benchmarks.md). Default: on for float32 CPU models whose linear weights take at most "
+                        "docs/benchmarks/packed-weights.md). Default: on for float32 CPU models whose linear weights take at most "
                         "1 GiB")
     p.add_argument("--batch-invariant", action="store_true", help="batch-invariant numerics: a token's logits are "
                    "the same bits whatever else shares the forward, so greedy speculative output equals AR bit for "

@@ -358,7 +358,7 @@ def test_specbench_slice_equals_ar_in_bfloat16():
     """The CI slice of the SpecBench check: the default pair in bfloat16 with the mode on, SpecBench's first
     64 prompts (cut to 64 tokens), 16 new tokens, k = 5: eqspec, ragged and exspec at batch 8 emit exactly
     AR's tokens at batch 1 (all 480 prompts x 32 tokens: `bench/batch_invariant.py equivalence`). With the
-    mode off the same slice differs from AR on requests 6 and 20 (measured: docs/benchmarks.md)."""
+    mode off the same slice differs from AR on requests 6 and 20 (measured: docs/benchmarks/batch-invariant.md)."""
     tokenizer = load_tokenizer(DEFAULT_TARGET)
     prompts = [tokenizer.encode(p)[:64] for p in read_prompts(SPEC_BENCH_SLICE)]
     assert len(prompts) == 64

@@ -29,7 +29,7 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
     """Cap glibc's malloc arenas, as MALLOC_ARENA_MAX=2 does (which wins when set). glibc gives threads their
     own arenas; the engine thread's tensors of ever-changing shapes and the event loop's objects then fragment
     several of them, and RSS creeps up with every request: `bench/serve.py soak`, 2,000 requests: 778 -> 893
-    MiB with glibc's default, 685 -> 704 MiB with 2 arenas, flat after the first 300 (docs/benchmarks.md).
+    MiB with glibc's default, 685 -> 704 MiB with 2 arenas, flat after the first 300 (docs/benchmarks/serving.md).
     Call before the engine thread starts."""
     if "MALLOC_ARENA_MAX" in os.environ:
         return
