@@ -185,3 +185,22 @@ def test_the_plot_is_skipped_with_a_line_without_matplotlib(tmp_path, monkeypatc
     line = acceptance_plot(ev, tmp_path / "a.png")
     assert line.startswith("plot skipped: matplotlib is not installed") and not (tmp_path / "a.png").exists()
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_the_legacy_command_of_the_shipped_pair_reads_as_a_specdec_train_command():
+    """docs/default_pair.md shows the shipped pair's recorded command (`python -m bench.default_pair ...`, the
+    trainer's earlier name) as specdec.train runs it: every flag exists and keeps the old run's values."""
+    import shlex
+
+    from specdec.train.__main__ import build_parser
+    from specdec.train.report import current_command
+
+    command = current_command("python -m bench.default_pair --specbench q.jsonl --draft-steps 646 --batch-draft 16")
+    args = build_parser().parse_args(shlex.split(command)[3:])
+    assert args.kind == "small" and args.train_target and args.threads == 2 and args.steps == 646
+    assert str(args.out) == "specdec/assets/default_pair/draft" and str(args.doc) == "docs/default_pair.md"
+    assert (args.minutes_target, args.minutes_pool, args.minutes, args.batch) == (55.0, 8.0, None, 16)  # --minutes: small's 12
+    today = "python -m specdec.train small --target t --out d"
+    assert current_command(today) == today
+    with pytest.raises(ValueError, match="no automatic translation"):
+        current_command("python -m bench.default_pair --reuse-target t")

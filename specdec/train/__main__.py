@@ -21,7 +21,8 @@ KIND_DEFAULTS = {
     "small": {"minutes": 12.0, "lr": 3e-3, "batch": 16},
     "feature": {"minutes": 30.0, "lr": 5e-4, "batch": 8},
 }
-QUESTIONS_PER_MINUTE = 24  # feature: self-written questions per training minute when --questions is not given
+QUESTIONS_PER_MINUTE = 6  # feature: self-written questions per training minute when --questions is not given
+# (about as long to write as to train on, on two shared CPU cores: 6 x 176 tokens at ~20 tokens/s per minute)
 
 
 def positive(kind):
@@ -48,7 +49,7 @@ def non_negative_int(text):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m specdec.train", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m specdec.train", formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
         description="Train a draft model for a target; the result is a directory that `python -m specdec.run "
                     "--draft DIR` and specdec.LLM(target, DIR) accept. Kinds:\n\n" +
                     "\n".join(f"  {k}: {v}" for k, v in KINDS.items()) + "\n\nSee docs/train.md.")
@@ -79,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--plot", type=Path, help="acceptance by draft position, PNG (default: OUT.train/acceptance.png; skipped "
                                   "when matplotlib is missing)")
     add("--specbench", type=Path, help="also measure acceptance on this SpecBench question.jsonl (first turns)")
-    add("--threads", type=positive(int), default=2, help="torch CPU threads")
+    add("--threads", type=positive(int), default=1,
+        help="torch CPU threads (default 1: on a shared machine more threads than free cores run slower; the "
+             "shipped drafts were trained with 2)")
     add("--no-progress", action="store_true", help="log lines instead of the progress bar")
 
     add = p.add_argument_group("feature only").add_argument

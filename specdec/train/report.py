@@ -48,7 +48,7 @@ LEGACY = "python -m bench.default_pair"  # the trainer's name before it moved in
 # what the legacy command's implicit outputs were, and its flags that specdec.train names otherwise
 LEGACY_OUTPUTS = ("--target specdec/assets/default_pair/target --out specdec/assets/default_pair/draft "
                   "--prompts-out specdec/assets/prompts.txt --doc docs/default_pair.md "
-                  "--results bench/default_pair/results.json")
+                  "--results bench/default_pair/results.json --threads 2")  # and its default thread count
 LEGACY_FLAGS = {"--draft-steps": "--steps", "--minutes-draft": "--minutes", "--batch-draft": "--batch",
                 "--lr-draft": "--lr"}
 
