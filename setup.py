@@ -13,7 +13,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["specdec", "specdec.schedulers", "specdec.serve", "specdec.proposers", "specdec.kernels", "specdec.models"],
+    packages=["specdec", "specdec.schedulers", "specdec.serve", "specdec.proposers", "specdec.kernels", "specdec.models",
+              "specdec.train"],
     package_dir={
         "specdec": "specdec",
         "specdec.schedulers": "specdec/schedulers",
