@@ -46,7 +46,8 @@ def test_a_trained_feature_draft_loads_and_decodes_exactly(target, tmp_path):
                       "--eval-tokens", "8")
     assert main(argv) == 0
     config = json.loads((out / "config.json").read_text())
-    assert config["trained_by"].startswith("python -m specdec.train feature --target") and "target_fingerprint" in config
+    assert config["trained_by"].startswith("python -m specdec.train feature --target")
+    assert "target_fingerprint" in config
     results = json.loads(out.with_name("draft.train").joinpath("results.json").read_text())
     assert results["train"]["steps"] == 3
     assert results["evaluation"]["held-out"]["matches_greedy"] == results["evaluation"]["held-out"]["prompts"] == 1
@@ -199,7 +200,8 @@ def test_the_legacy_command_of_the_shipped_pair_reads_as_a_specdec_train_command
     args = build_parser().parse_args(shlex.split(command)[3:])
     assert args.kind == "small" and args.train_target and args.threads == 2 and args.steps == 646
     assert str(args.out) == "specdec/assets/default_pair/draft" and str(args.doc) == "docs/default_pair.md"
-    assert (args.minutes_target, args.minutes_pool, args.minutes, args.batch) == (55.0, 8.0, None, 16)  # --minutes: small's 12
+    # (--minutes left out: small's default, 12, is filled in by check_args)
+    assert (args.minutes_target, args.minutes_pool, args.minutes, args.batch) == (55.0, 8.0, None, 16)
     today = "python -m specdec.train small --target t --out d"
     assert current_command(today) == today
     with pytest.raises(ValueError, match="no automatic translation"):

@@ -252,7 +252,8 @@ def check_small(parser, args) -> None:
         except ValueError as err:
             parser.error(f"--{flag.replace('_', '-')}: {err}")
     # the names the results and docs/default_pair.md's template use for the draft's budget and batch
-    args.minutes_draft, args.draft_steps, args.batch_draft, args.lr_draft = args.minutes, args.steps, args.batch, args.lr
+    args.minutes_draft, args.draft_steps = args.minutes, args.steps
+    args.batch_draft, args.lr_draft = args.batch, args.lr
 
 
 def main(argv=None) -> int:
@@ -272,7 +273,7 @@ def main(argv=None) -> int:
     try:
         run(args, argv)
     except KeyboardInterrupt:
-        print("interrupted before training started: nothing was kept", file=sys.stderr, flush=True)
+        print("interrupted before training started: no checkpoint was written", file=sys.stderr, flush=True)
         return 130
     except Interrupted as stop:
         where = (f"the checkpoint of step {stop.step} is kept at {stop.path}" if stop.step is not None

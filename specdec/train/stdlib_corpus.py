@@ -1,4 +1,5 @@
-"""Data of the small draft (the default pair's recipe): the fixed stdlib file list (or the user's texts), the tokenizer, token windows and the prompts."""
+"""Data of the small draft (the default pair's recipe): the fixed stdlib file list (or the user's texts), the
+tokenizer, token windows and the prompts."""
 from __future__ import annotations
 
 import ast
