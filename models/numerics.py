@@ -20,6 +20,7 @@ measurements; see docs/design.md ("Batch-invariant numerics") for what is and is
 """
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -46,6 +47,13 @@ PACKED_MAX_ROWS = 64
 # requests (or at once with `warm_packed`) and a long-lived engine's memory stays flat
 PACKED_EXACT_ROWS = 16
 PACKED_ROW_STEP = 8
+# CPU attention calls of at most this many (query row, key) pairs over all heads (B * H * T * W: decode steps,
+# short verify passes) run on one thread: the work is tens of microseconds, and waking a second thread for
+# SDPA's parallel region cost 2.7 ms a call (OMP_WAIT_POLICY=PASSIVE) to 15 ms (OpenMP's default spin-wait)
+# on this shared 2-core machine: a 2-thread SmolLM2-135M decode step went from 284 to 73 ms
+# (docs/benchmarks/prefill-and-step.md). The output is then the one-thread output at any thread count (SDPA's
+# CPU kernel splits a short query's keys across threads: its bits depend on the thread count).
+SERIAL_ATTENTION_WORK = 1 << 16
 SILU_INVARIANT_DTYPES = (torch.bfloat16,)  # torch's CPU F.silu gives the same bits for every element position
 
 
@@ -137,6 +145,38 @@ def packing_pays(model, limit_bytes: int = PACKED_LINEAR_LIMIT_BYTES) -> bool:
         return False
     linear_bytes = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear))
     return linear_bytes <= limit_bytes
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch runs one intra-op thread inside the block (the caller's count is restored after it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def serial(q, width: int) -> bool:
+    """Whether attention of q [B, H, T, D] over `width` key columns runs on one thread (SERIAL_ATTENTION_WORK)."""
+    B, H, T, _ = q.shape
+    return (B * H * T * width <= SERIAL_ATTENTION_WORK and q.device.type == "cpu" and torch.get_num_threads() > 1
+            and not torch.compiler.is_compiling())
+
+
+def sdpa(q, k_cache, v_cache, attn_bias, gqa: bool):
+    """Ordinary attention of q [B, H, T, D] over caches [B, H_kv, C, D]: SDPA with the additive mask
+    attn_bias [B, 1, T, W] over columns 0..W-1, or (attn_bias None) causal over columns 0..T-1. On a CPU
+    with several threads, a call of at most SERIAL_ATTENTION_WORK (B H T W) runs on one (see there)."""
+    T = q.shape[2]
+    W = T if attn_bias is None else attn_bias.shape[-1]
+    k, v = k_cache[:, :, :W], v_cache[:, :, :W]  # [B, H_kv, W, D]
+    mask = {"is_causal": True} if attn_bias is None else {"attn_mask": attn_bias}
+    if serial(q, W):
+        with one_thread():
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **mask)  # [B, H, T, D]
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **mask)  # [B, H, T, D]
 
 
 def silu(x, invariant: bool):

@@ -116,7 +116,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, columns, attn_bias, first_column, backend=None):
         """x [B, T, E]; k_cache/v_cache [B, H_kv, C, D]; columns [B, T] write columns; attn_bias [B, 1, T, W]
-        additive mask over cache columns 0..W-1; first_column: the shared write column when every row
+        additive mask over cache columns 0..W-1 (None: each row's first T tokens, unpadded: causal); first_column: the shared write column when every row
         writes the same contiguous columns (a host int: a slice write), else None (scatter per row, with the
         kv_append kernel of `backend`)."""
         cfg = self.cfg
@@ -129,12 +129,8 @@ class Attention(nn.Module):
             v_cache[:, :, first_column: first_column + T] = v
         if self.batch_invariant:  # attn_bias is then a numerics.RowKeys (mask and each row's first key)
             out = numerics.attention(q, k_cache, v_cache, attn_bias, backend)  # [B, H, T, D]
-        else:
-            W = attn_bias.shape[-1]
-            out = F.scaled_dot_product_attention(
-                q, k_cache[:, :, :W], v_cache[:, :, :W], attn_mask=attn_bias,
-                enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-            )  # [B, H, T, D]
+        else:  # attn_bias None: a causal prefill from column 0 (`forward_tensors`)
+            out = numerics.sdpa(q, k_cache, v_cache, attn_bias, cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim)  # [B, T, H * D]
         return numerics.linear(self.o_proj, out, self.batch_invariant, backend, self.packed_linear)
 
@@ -336,9 +332,10 @@ class Transformer(nn.Module):
                                         None, False, "torch", features, hidden)
             if logits == "last":  # every row's last token is token T - 1 here (num_new is None)
                 out = (out[0][:, -1:], out[1][:, -1:] if hidden == "last" else out[1]) if hidden else out[:, -1:]
-        else:
+        else:  # every row's first T tokens, none of them padding: attention needs no mask (causal)
+            causal = plan.first_column == 0 and all(n == T for n in plan.host_num_new) and plan.mask.shape[-1] == T
             out = self.forward_tensors(input_ids, cache.k, cache.v, plan.positions, plan.columns, plan.mask, last_index,
-                                       plan.first_column, logits == "last", cache.backend, features, hidden)
+                                       plan.first_column, logits == "last", cache.backend, features, hidden, causal)
         cache.advance(plan)
         return out
 
@@ -353,18 +350,23 @@ class Transformer(nn.Module):
         return numerics.linear(self.lm_head, self.norm(h), self.batch_invariant, backend, self.packed_linear)
 
     def forward_tensors(self, input_ids, k, v, positions, columns, mask, last_index, first_column, last_only: bool,
-                        backend: str | None = None, features=None, hidden: str | None = None):
+                        backend: str | None = None, features=None, hidden: str | None = None, causal: bool = False):
         """The forward on tensors alone (what `compile_forward` captures): input_ids [B, T]; k/v caches
         [L, B, H_kv, C, D], written in place; positions/columns [B, T]; mask [B, T, W]; last_index [B] or
         None; first_column: a host int (contiguous slice write) or None (scatter at `columns` with the
         kv_append kernel of `backend`); features [B, T, E] or None (`embed`); hidden: also return the last
-        layer's output, at every position ("all") or where the logits are ("last")."""
+        layer's output, at every position ("all") or where the logits are ("last"); causal: `mask` is the causal
+        mask of T tokens at columns 0..T-1 in every row (W = T), so ordinary attention builds no additive mask and
+        takes SDPA's causal path, which skips the hidden blocks (the same bits: hidden keys add exact zeros
+        either way; tests/test_models.py)."""
         B, T = input_ids.shape
         cos, sin = self.rope(positions, k.shape[3])  # [B, 1, T, R]; positions < capacity C
         if self.batch_invariant:
             if self._bi_workspace is None:
                 self._bi_workspace = numerics.Workspace()
             attn_bias = numerics.row_keys(mask, self._bi_workspace)  # the mask, each row's first key
+        elif causal:
+            attn_bias = None  # numerics.sdpa: is_causal
         else:
             zero = torch.zeros((), dtype=self.dtype, device=input_ids.device)
             attn_bias = torch.where(mask, zero, float("-inf"))[:, None]  # [B, 1, T, W], once for all layers
