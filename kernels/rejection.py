@@ -100,7 +100,8 @@ def rejection_sample(draft_ids, target_argmax=None, target_probs=None, draft_pro
     target_argmax: [B, k+1] int64, argmax of the target's logits (needed when any row is greedy)
     target_probs:  [B, k+1, V] float, processed target distributions (needed when any row samples)
     draft_probs:   [B, k, V] float, processed draft distributions the drafts were sampled from
-    is_greedy:     [B] bool
+    is_greedy:     [B] bool, rows that accept by exact match with target_argmax (greedy rows, and rows whose
+                   caller put another token of the target's own there, e.g. a coupled row's race sample)
     uniforms:      [B, k] float64 in [0, 1), acceptance draws of sampling rows
     noise:         [B, V] float32/64 Exp(1) draws for the residual/bonus race of sampling rows
     draft_len:     [B] int64 in 0..k, the drafts each row offers (None: all k; 0: none usable)

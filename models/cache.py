@@ -9,7 +9,7 @@ Two layouts share this class (see docs/design.md):
 `start` and `length` live on the cache's device (the forward reads them there) and are mirrored on the
 host (`host_start`, `host_length`: lists of ints) so that the runtime can size every step -- the attention
 width, whether the write columns are contiguous -- without reading the device. Whoever changes one side
-changes the other in the same call (`set_rows`, `advance`, `keep_rows`, `load_rows`); nothing here
+changes the other in the same call (`set_rows`, `advance`, `take_rows`, `load_rows`, `resize_rows`); nothing here
 synchronises with the device.
 
 The cache is model-agnostic storage: a model's forward asks `plan(T, num_new)` for positions, write
@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from specdec.kernels.positions import StepPlan, step_plan
+from specdec.kernels.realign import realign
 
 LEFT_PADDED = "left"
 RAGGED = "ragged"
@@ -35,8 +36,7 @@ class KVCache:
     def __init__(self, k, v, start, length, layout: str, host_start=None, host_length=None):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        self.k = k  # [L, B, H_kv, C, D]
-        self.v = v  # [L, B, H_kv, C, D]
+        self._use(k, v, k.shape[1])  # self.k, self.v: [L, B, H_kv, C, D]
         self.layout = layout
         self._start = start  # [B] int64, device
         self._length = length  # [B] int64, device
@@ -130,55 +130,101 @@ class KVCache:
         self._length = self._length + plan.num_new
         self.host_length = [n + m for n, m in zip(self.host_length, plan.host_num_new)]
 
+    def right_align(self, live: list[bool], draft: "KVCache | None" = None) -> None:
+        """Left-padded layout: right-align every live row (host list of bools) at the longest live row's edge
+        (invariant I6), moving this cache's and `draft`'s rows together (their rows share `start`). Rows not
+        live stay where they are; only rows whose start changes are copied (`kernels/realign.py`)."""
+        longest = max((n for n, a in zip(self.host_length, live) if a), default=0)
+        new_host = [longest - n if a else s for n, s, a in zip(self.host_length, self.host_start, live)]
+        delta_host = [new - old for new, old in zip(new_host, self.host_start)]
+        if not any(delta_host):
+            return
+        new_start = longest - self._length  # [B]
+        if not all(live):
+            new_start = torch.where(torch.tensor(live, device=new_start.device), new_start, self._start)  # [B]
+        delta = new_start - self._start  # [B], may be negative
+        caches = [(self.k, self.v)] + ([(draft.k, draft.v)] if draft is not None else [])
+        realign(caches, self._start, self._length, delta, backend=self.backend,
+                host=(self.host_start, self.host_length, delta_host))
+        self.set_rows(start=new_start, host_start=new_host)
+        if draft is not None:
+            draft.set_rows(start=new_start.clone(), host_start=list(new_host))
+
     # ------------------------------------------------------------------------------------- rows
-    def keep_rows(self, rows: list[int]) -> None:
-        """Compact the batch to `rows` (host indices), e.g. dropping finished sequences (one copy, once)."""
-        index = torch.tensor(rows, dtype=torch.int64, device=self.k.device)  # [b]
-        self.k = self.k.index_select(1, index)
-        self.v = self.v.index_select(1, index)
-        self.set_rows(self._start.index_select(0, index), [self.host_start[i] for i in rows],
-                      self._length.index_select(0, index), [self.host_length[i] for i in rows])
+    # The K/V tensors are views `[:, :B]` of a storage of `reserved_rows` >= B row slots: rows come and go
+    # by moving single rows inside it (`take_rows`, `load_rows`, `resize_rows`), never by copying the
+    # others; the storage itself is copied only when it must grow (`reserve_rows`, `grow`).
+    @property
+    def reserved_rows(self) -> int:
+        return self._k_all.shape[1]
 
-    def load_rows(self, rows: list[int], other: "KVCache") -> None:
-        """Copy every row of `other` (a freshly prefilled cache) into rows `rows` (host indices) of this one."""
-        width = max(other.host_end, default=0)
-        index = torch.tensor(rows, dtype=torch.int64, device=self.k.device)  # [b]
-        self.k[:, index, :, :width] = other.k[:, :, :, :width]
-        self.v[:, index, :, :width] = other.v[:, :, :, :width]
-        self._start[index] = other.start
-        self._length[index] = other.length
-        for row, s, n in zip(rows, other.host_start, other.host_length):
-            self.host_start[row], self.host_length[row] = s, n
+    def _use(self, k_all, v_all, rows: int) -> None:
+        self._k_all, self._v_all = k_all, v_all  # [L, R, H_kv, C, D] storage
+        self.k, self.v = k_all[:, :rows], v_all[:, :rows]  # [L, B, H_kv, C, D] views: the rows in use
 
-    def append_rows(self, other: "KVCache") -> None:
-        """Add every row of `other` (a freshly prefilled cache of the same layout) after this cache's rows."""
-        if other.capacity != self.capacity:
-            other.grow(self.capacity)
-        self.k = torch.cat([self.k, other.k], dim=1)  # [L, B + b, H_kv, C, D]
-        self.v = torch.cat([self.v, other.v], dim=1)
-        self.set_rows(torch.cat([self._start, other.start]), self.host_start + other.host_start,
-                      torch.cat([self._length, other.length]), self.host_length + other.host_length)
+    def _restore(self, rows: int, capacity: int) -> None:
+        """New zero storage of `rows` slots and `capacity` columns holding the rows in use (one copy of them)."""
+        L, B, H, C, D = self.k.shape
+        storage = []
+        for old in (self.k, self.v):
+            new = torch.zeros(L, rows, H, capacity, D, dtype=old.dtype, device=old.device)  # [L, R, H_kv, C', D]
+            new[:, :B, :, :C] = old
+            storage.append(new)
+        self._use(*storage, B)
+
+    def reserve_rows(self, rows: int) -> None:
+        """Room for `rows` rows without copying the cache again (copies the rows in use once, if it grows)."""
+        if rows > self.reserved_rows:
+            self._restore(rows, self.capacity)
+
+    def resize_rows(self, rows: int) -> None:
+        """Use the first `rows` row slots: rows past `rows` are released, new ones are empty (start = length
+        = 0; their columns hold zeros or a released row's values, finite and never attended)."""
+        B = self.batch_size
+        self.reserve_rows(rows)
+        self.k, self.v = self._k_all[:, :rows], self._v_all[:, :rows]
+        if rows <= B:
+            self.set_rows(self._start[:rows], self.host_start[:rows], self._length[:rows], self.host_length[:rows])
+        else:
+            none = torch.zeros(rows - B, dtype=torch.int64, device=self.k.device)  # [rows - B]
+            self.set_rows(torch.cat([self._start, none]), self.host_start + [0] * (rows - B),
+                          torch.cat([self._length, none]), self.host_length + [0] * (rows - B))
+
+    def take_rows(self, order: list[int]) -> None:
+        """Row i takes row order[i]'s state (host indices, i < len(order)); rows past len(order) are released.
+        Only the rows that move are copied, one slice of their cached columns each: a row may move only
+        into a row that `order` drops (as compaction from the tail does)."""
+        moved = [(i, j) for i, j in enumerate(order) if i != j]
+        if {i for i, _ in moved} & {j for _, j in moved}:
+            raise ValueError(f"take_rows: a row moves into a row that is still kept ({order})")
+        for i, j in moved:
+            s, n = self.host_start[j], self.host_length[j]
+            for t in (self.k, self.v):
+                t[:, i, :, s:s + n].copy_(t[:, j, :, s:s + n])  # [L, H_kv, n, D]
+        index = torch.tensor(order, dtype=torch.int64, device=self.k.device)  # [b]
+        self.set_rows(self._start.index_select(0, index), [self.host_start[j] for j in order],
+                      self._length.index_select(0, index), [self.host_length[j] for j in order])
+        self.k, self.v = self._k_all[:, :len(order)], self._v_all[:, :len(order)]
+
+    def load_rows(self, rows: list[int], other: "KVCache", starts: list[int] | None = None) -> None:
+        """Copy every row of `other` (a freshly prefilled cache) into rows `rows` (host indices) of this one:
+        its cached columns only, to start at starts[i] (default: where they are in `other`)."""
+        starts = list(other.host_start) if starts is None else list(starts)
+        for i, (row, s, n, dest) in enumerate(zip(rows, other.host_start, other.host_length, starts)):
+            if dest < 0 or dest + n > self.capacity:
+                raise ValueError(f"load_rows: row {row} would leave the cache's {self.capacity} columns")
+            self.k[:, row, :, dest:dest + n].copy_(other.k[:, i, :, s:s + n])  # [L, H_kv, n, D]
+            self.v[:, row, :, dest:dest + n].copy_(other.v[:, i, :, s:s + n])
+        index = torch.tensor(rows, dtype=torch.int64, device=self.k.device)  # [b]
+        self._start = self._start.index_copy(0, index, torch.tensor(starts, dtype=torch.int64, device=self.k.device))
+        self._length = self._length.index_copy(0, index, other.length)
+        for row, dest, n in zip(rows, starts, other.host_length):
+            self.host_start[row], self.host_length[row] = dest, n
 
     def grow(self, capacity: int) -> None:
         """Give every row `capacity` columns (the cached columns keep their places; the new ones are zero)."""
-        if capacity <= self.capacity:
-            return
-        L, B, H, C, D = self.k.shape
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = torch.zeros(L, B, H, capacity, D, dtype=old.dtype, device=old.device)  # [L, B, H_kv, C', D]
-            new[:, :, :, :C] = old
-            setattr(self, name, new)
-
-    def add_rows(self, count: int) -> None:
-        """`count` more empty rows (zero K/V, start = length = 0) after the existing ones."""
-        L, B, H, C, D = self.k.shape
-        zeros = torch.zeros(L, count, H, C, D, dtype=self.k.dtype, device=self.k.device)  # [L, count, H_kv, C, D]
-        self.k = torch.cat([self.k, zeros], dim=1)
-        self.v = torch.cat([self.v, zeros.clone()], dim=1)
-        none = torch.zeros(count, dtype=torch.int64, device=self.k.device)  # [count]
-        self.set_rows(torch.cat([self._start, none]), self.host_start + [0] * count,
-                      torch.cat([self._length, none]), self.host_length + [0] * count)
+        if capacity > self.capacity:
+            self._restore(self.reserved_rows, capacity)
 
     def gather_rows(self, rows: list[int], buffer: "KVCache", offsets: list[int], width: int) -> "KVCache":
         """Rows `rows` of this (ragged) cache copied into the first len(rows) rows of `buffer`, row i's

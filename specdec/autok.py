@@ -33,6 +33,7 @@ it adds no synchronisation.
 from __future__ import annotations
 
 import bisect
+import copy
 import hashlib
 import json
 import os
@@ -255,14 +256,15 @@ class KChooser:
         self.offered = 0  # drafts offered so far: until some are, the prior alone must not switch drafting off
         self.scale: dict[tuple[int, bool], float] = {}  # (B, k > 0) -> median of the recent measured / forwards
         self.scale_samples: dict[tuple[int, bool], deque] = {}
-        self.stats: dict[int, list[float]] = {}  # id(request) -> [accepted, offered]
         self.zero_streak = 0
         self.last = (0, 0, 2, 0.0)  # the last choice: (B, k, first draft tokens, predicted seconds)
         self.key: str | None = None  # the cost cache entry `costs` came from
 
     # ---------------------------------------------------------------------------------- estimates
     def alpha(self, request) -> float:
-        accepted, offered = self.stats.get(id(request), (0.0, 0.0))
+        """The request's acceptance estimate: its own (decayed) record, `Request.acceptance`, shrunk towards
+        the pooled one."""
+        accepted, offered = request.acceptance
         pooled = self.pooled[0] / self.pooled[1]
         return min(max((accepted + self.prior_weight * pooled) / (offered + self.prior_weight), 0.0), 0.999)
 
@@ -369,21 +371,20 @@ class KChooser:
         for request, length, a in zip(requests, lengths, counts):
             offered = a + (a < length)
             self.offered += offered
-            stats = self.stats.setdefault(id(request), [0.0, 0.0])
+            stats = request.acceptance  # [accepted, offered], on the request: no other engine's business
             stats[0] = self.decay * stats[0] + a
             stats[1] = self.decay * stats[1] + offered
             self.pooled[0] = 0.99 * self.pooled[0] + a
             self.pooled[1] = 0.99 * self.pooled[1] + offered
 
-    def forget(self, request) -> None:
-        """A finished request's acceptance statistics go (its id() may be reused by a new request)."""
-        self.stats.pop(id(request), None)
-
-    def start_run(self) -> None:
-        """Per-request state belongs to one Engine (request ids are reused afterwards)."""
-        self.stats.clear()
-        self.zero_streak = 0
-        self.last = (0, 0, 2, 0.0)  # not drafting: the first prefill leaves the draft for the chooser
+    def for_engine(self) -> "KChooser":
+        """A chooser for one Engine: this one's settings and costs, and its own run state (learned scale,
+        pooled acceptance, the last choice), so that two engines on one LLM never see each other's steps.
+        A subclass (a test's scripted chooser) is copied whole."""
+        chooser = copy.deepcopy(self)
+        chooser.zero_streak = 0
+        chooser.last = (0, 0, 2, 0.0)  # not drafting: the first prefill leaves the draft for the chooser
+        return chooser
 
 
 def make_chooser(llm) -> KChooser:

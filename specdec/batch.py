@@ -32,7 +32,7 @@ from specdec.models.cache import LEFT_PADDED, RAGGED
 from .metrics import PhaseTimer, RunMetrics
 from .options import EngineOptions, positions_needed
 from .request import Request
-from .sampling import RowParams, choose_tokens, probs_dtype
+from .sampling import RowParams, probs_dtype
 
 
 class NonFiniteLogitsError(ValueError):
@@ -80,8 +80,10 @@ class DecodeContext:
         return self.chooser is None or self.chooser.drafting
 
     def step_done(self, rows: int, started: float) -> None:
-        """A strategy's step (of `rows` rows, begun at perf_counter() `started`) has ended: its wall time
-        feeds the auto-k cost model. Every step ends with a read of the device, so the time is complete."""
+        """A step (of `rows` rows, begun at perf_counter() `started`) has ended, its postprocess included
+        (`Engine.step` calls this after the commit and the scheduler's realignment or copy-back): its wall
+        time feeds the auto-k cost model. The run's one device read waits for the forwards; a realignment
+        after it is timed on the host (on a GPU its kernels may still be in flight)."""
         if self.chooser is not None:
             seconds = time.perf_counter() - started
             self.metrics.predicted_step_s += self.chooser.observe(seconds)
@@ -108,18 +110,26 @@ class Batch:
     """Rows decoded together: requests, the target's (and the draft's) KV cache of the same row order,
     and the device row state (`tokens`, `seq_len`, `params`)."""
 
-    def __init__(self, requests: list[Request], target_cache, draft_cache, tokens, seq_len, params: RowParams,
-                 features=None):
+    def __init__(self, requests: list[Request | None], target_cache, draft_cache, tokens, seq_len,
+                 params: RowParams | None = None, features=None):
         self.requests = requests
         self.target_cache = target_cache
         self.draft_cache = draft_cache
-        self.tokens = tokens  # [B, C] int64: row i's sequence at columns 0..seq_len[i]-1
         self.seq_len = seq_len  # [B] int64
-        self.params = params
-        self.features = features  # [B, C, E] the target's hidden state per position (feature drafts), or None
+        self.params = params  # [B] RowParams; None for a storage with empty rows (exspec's pool)
+        self._tokens_all, self._features_all = tokens, features  # storage of `reserved_rows` rows
+        # tokens [B, C] int64: row i's sequence at columns 0..seq_len[i]-1; features [B, C, E]: the target's
+        # hidden state per position (feature drafts), or None
+        self._use_rows(tokens.shape[0])
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    def _rows_changed(self) -> None:
+        """The rows' sampling parameters on the device, rebuilt when rows come and go (None while a row is
+        empty: a pool's free slot)."""
+        full = all(r is not None for r in self.requests)
+        self.params = row_params(self.requests, self.tokens.device) if full else None
 
     @property
     def host_seq_len(self) -> list[int]:
@@ -202,16 +212,42 @@ class Batch:
         self.tokens.scatter_(1, columns, emitted.clamp(min=0))  # placeholders land past the end: unread
         self.seq_len = self.seq_len + count
 
-    def keep(self, rows: list[int]) -> None:
-        index = torch.tensor(rows, dtype=torch.int64, device=self.tokens.device)  # [b]
-        for cache in self.caches():
-            cache.keep_rows(rows)
-        self.tokens = self.tokens.index_select(0, index)
-        self.seq_len = self.seq_len.index_select(0, index)
+    def right_align(self) -> None:
+        """Left-padded layout: right-align the unfinished rows at the longest one's edge, in both caches
+        (invariant I6; `KVCache.right_align`). Finished rows stay until the scheduler refills or removes them."""
+        live = [not r.finished for r in self.requests]
+        self.target_cache.right_align(live, self.draft_cache)
+
+    # ---------------------------------------------------------------------------------------- rows
+    # Like the caches (models/cache.py), `tokens` and `features` are views of the first B rows of a storage
+    # with `reserved_rows` slots: a row joins or leaves by copying that row alone.
+    @property
+    def reserved_rows(self) -> int:
+        return self._tokens_all.shape[0]
+
+    def _use_rows(self, rows: int) -> None:
+        self.tokens = self._tokens_all[:rows]  # [B, C]
+        self.features = None if self._features_all is None else self._features_all[:rows]  # [B, C, E]
+
+    def _restore(self, rows: int, capacity: int) -> None:
+        """New zero storage of `rows` slots and `capacity` columns holding the rows in use (one copy)."""
+        B, C = self.tokens.shape
+        self._tokens_all = self.tokens.new_zeros(rows, capacity)  # [R, C']
+        self._tokens_all[:B, :C] = self.tokens
         if self.features is not None:
-            self.features = self.features.index_select(0, index)  # [b, C, E]
-        self.requests = [self.requests[i] for i in rows]
-        self.params = row_params(self.requests, self.tokens.device)
+            features = self.features.new_zeros(rows, capacity, self.features.shape[2])  # [R, C', E]
+            features[:B, :C] = self.features
+            self._features_all = features
+        self._use_rows(B)
+
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` rows, so that admitting up to that many copies no other row (copies the rows in
+        use once, if the storage grows)."""
+        if rows <= self.reserved_rows:
+            return
+        for cache in self.caches():
+            cache.reserve_rows(rows)
+        self._restore(rows, self.tokens.shape[1])
 
     def grow(self, capacity: int) -> None:
         """Room for `capacity` columns per row in the caches and the device sequences."""
@@ -219,48 +255,79 @@ class Batch:
             return
         for cache in self.caches():
             cache.grow(capacity)
-        tokens = torch.zeros(len(self), capacity, dtype=self.tokens.dtype, device=self.tokens.device)  # [B, C']
-        tokens[:, : self.tokens.shape[1]] = self.tokens
-        self.tokens = tokens
-        if self.features is not None:
-            features = self.features.new_zeros(len(self), capacity, self.features.shape[2])  # [B, C', E]
-            features[:, : self.features.shape[1]] = self.features
-            self.features = features
+        self._restore(self.reserved_rows, capacity)
 
-    def extend(self, other: "Batch") -> None:
-        """Append the rows of a freshly prefilled batch (same layout; its capacity is raised to ours)."""
-        other.grow(self.capacity)
-        self.grow(other.capacity)
-        self.target_cache.append_rows(other.target_cache)
-        if self.draft_cache is not None:
-            self.draft_cache.append_rows(other.draft_cache)
-        self.tokens = torch.cat([self.tokens, other.tokens])  # [B + b, C]
-        self.seq_len = torch.cat([self.seq_len, other.seq_len])  # [B + b]
-        if self.features is not None:
-            self.features = torch.cat([self.features, other.features])  # [B + b, C, E]
-        self.requests = self.requests + other.requests
-        self.params = row_params(self.requests, self.tokens.device)
+    def _take(self, order: list[int]) -> None:
+        """Row i takes row order[i] (i < len(order)), the rest are released; only rows that move are copied
+        (`KVCache.take_rows`: a row moves only into a row that `order` drops)."""
+        for cache in self.caches():
+            cache.take_rows(order)
+        for i, j in enumerate(order):
+            if i != j:
+                n = self.requests[j].sequence_length
+                self.tokens[i, :n].copy_(self.tokens[j, :n])  # [n]
+                if self.features is not None:
+                    self.features[i, :n].copy_(self.features[j, :n])  # [n, E]
+        index = torch.tensor(order, dtype=torch.int64, device=self.tokens.device)  # [b]
+        self.seq_len = self.seq_len.index_select(0, index)  # [b]
+        self.requests = [self.requests[j] for j in order]
+        self._use_rows(len(order))
+        self._rows_changed()
 
-    def load(self, slots: list[int], other: "Batch") -> None:
-        """Put the rows of a freshly prefilled batch into `slots` (continuous batching)."""
-        self.target_cache.load_rows(slots, other.target_cache)
+    def load(self, slots: list[int], other: "Batch", starts: list[int] | None = None) -> None:
+        """Put the rows of a freshly prefilled batch into `slots` (rows of this batch, each overwritten; a
+        slot may be `len(self)`.. up to `reserved_rows`, adding rows). `starts`: the column each row's
+        caches start at (left-padded layout; default: as in `other`). Copies those rows only."""
+        if not slots:
+            return
+        self.add_rows(max(max(slots) + 1, len(self)) - len(self))
+        if self.features is None and other.features is not None:  # the first rows with features
+            E = other.features.shape[2]
+            self._features_all = other.features.new_zeros(self.reserved_rows, self.tokens.shape[1], E)  # [R, C, E]
+            self._use_rows(len(self))
+        self.target_cache.load_rows(slots, other.target_cache, starts)
         if self.draft_cache is not None:
-            self.draft_cache.load_rows(slots, other.draft_cache)
+            self.draft_cache.load_rows(slots, other.draft_cache, starts)
         index = torch.tensor(slots, dtype=torch.int64, device=self.tokens.device)  # [b]
-        width = other.tokens.shape[1]
-        self.tokens[index, :width] = other.tokens
-        self.seq_len[index] = other.seq_len
-        if self.features is not None:
-            self.features[index, :width] = other.features
-        for slot, request in zip(slots, other.requests):
+        for i, (slot, request) in enumerate(zip(slots, other.requests)):
+            n = request.sequence_length
+            self.tokens[slot, :n].copy_(other.tokens[i, :n])  # [n]
+            if self.features is not None:
+                self.features[slot, :n].copy_(other.features[i, :n])  # [n, E]
             self.requests[slot] = request
-        self.params = row_params(self.requests, self.tokens.device)
+        self.seq_len = self.seq_len.index_copy(0, index, other.seq_len)  # [B]
+        self._rows_changed()
+
+    def add_rows(self, count: int) -> None:
+        """`count` empty rows (request None, empty caches) after the existing ones, for `load` to fill."""
+        if count <= 0:
+            return
+        rows = len(self) + count
+        self.reserve(rows)
+        for cache in self.caches():
+            cache.resize_rows(rows)
+        self.seq_len = torch.cat([self.seq_len, self.seq_len.new_zeros(count)])  # [rows]
+        self.requests = self.requests + [None] * count
+        self._use_rows(rows)
+        self._rows_changed()
+
+    def extend(self, other: "Batch", starts: list[int] | None = None) -> None:
+        """Append the rows of a freshly prefilled batch (same layout) after this batch's rows (`load`; the
+        caller has grown the batch to the columns they need)."""
+        self.load(list(range(len(self), len(self) + len(other))), other, starts)
 
     def drop_finished(self) -> list[Request]:
-        """Compact away finished rows; returns the requests dropped."""
+        """Remove the finished rows, moving the last unfinished rows into their places (each moved row is
+        copied once; no other row moves). Returns the requests dropped."""
         done = [r for r in self.requests if r.finished]
         if done:
-            self.keep([i for i, r in enumerate(self.requests) if not r.finished])
+            live = [i for i, r in enumerate(self.requests) if not r.finished]
+            n = len(live)
+            order = list(range(n))
+            holes = [i for i in range(n) if self.requests[i].finished]
+            for hole, row in zip(holes, [i for i in live if i >= n]):
+                order[hole] = row
+            self._take(order)
         return done
 
 
@@ -268,75 +335,10 @@ def row_params(requests: list[Request], device) -> RowParams:
     return RowParams.of([r.params for r in requests], [r.seed for r in requests], device)
 
 
-def commit_first_tokens(ctx: DecodeContext, requests: list[Request], readback: list[list[int]], where: str) -> None:
-    """Commit each row's token from a readback of [token, finite] rows."""
-    for r, (token, finite) in zip(requests, readback):
-        if not finite:
-            ctx.raise_non_finite(r, where)
-        kept = r.commit([token])
-        ctx.metrics.generated_tokens += kept
-
-
-def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: int) -> Batch:
-    """Prefill prompts (padded on the layout's side), emit each row's first token from the target."""
-    device = ctx.device
-    lengths = [len(r.prompt_ids) for r in requests]
-    width = max(lengths)
-    ids = torch.zeros(len(requests), width, dtype=torch.int64)  # [B, W], 0 = padding (never attended)
-    tokens = torch.zeros(len(requests), max(capacity, width + 1), dtype=torch.int64)  # [B, C] the rows' sequences
-    for i, r in enumerate(requests):
-        prompt = torch.tensor(r.prompt_ids)
-        tokens[i, : lengths[i]] = prompt
-        if layout == LEFT_PADDED:
-            ids[i, width - lengths[i]:] = prompt
-        else:
-            ids[i, : lengths[i]] = prompt
-    ids = ids.to(device)
-
-    def empty_cache(model):
-        cache = ctx.new_cache(model, len(requests), capacity, layout)
-        cache.set_prefill(lengths, width)
-        return cache
-
-    target_cache = empty_cache(ctx.target)
-    features = None
-    if ctx.feature_draft:  # the target's hidden state at every prompt position, kept per position
-        logits, hidden = ctx.target.forward(ids, target_cache, num_new=lengths, logits="last", hidden="all")
-        features = hidden.new_zeros(len(requests), tokens.shape[1], hidden.shape[2])  # [B, C, E]
-        for i, n in enumerate(lengths):
-            features[i, :n] = hidden[i, width - n:] if layout == LEFT_PADDED else hidden[i, :n]
-    else:
-        logits = ctx.target.forward(ids, target_cache, num_new=lengths, logits="last")
-    logits = logits[:, -1, : ctx.vocab_size]  # [B, V]
-    ctx.metrics.target_forwards += 1
-    batch = Batch(list(requests), target_cache, None, tokens.to(device),
-                  torch.tensor(lengths, dtype=torch.int64, device=device), row_params(requests, device), features)
-    if ctx.draft is not None:
-        batch.draft_cache = empty_cache(ctx.draft)
-    if ctx.draft is not None and ctx.prefill_draft:
-        draft_input = {}
-        if features is not None:  # each prompt token with the target's hidden state before it
-            j = torch.arange(width, device=device)  # [W]
-            shift = torch.tensor([width - n if layout == LEFT_PADDED else 0 for n in lengths], device=device)  # [B]
-            draft_input["features"] = batch.features_before(j[None] - shift[:, None])  # [B, W, E]
-        ctx.draft.forward(ids, batch.draft_cache, num_new=lengths, logits="last", **draft_input)
-        ctx.metrics.draft_forwards += 1
-        if features is None:
-            # the draft lags by two tokens (see module docstring): the last prompt token is fed again next step
-            batch.draft_cache.set_rows(length=batch.draft_cache.length - 1, host_length=[n - 1 for n in lengths])
-    # else deferred: an empty draft cache, the whole sequence is its lag
-    first = choose_tokens(logits, batch.params, ctx.probs_dtype, batch.seq_len, lengths, ctx.kernel_backend)  # [B]
-    batch.append(first[:, None], torch.ones_like(first))
-    readback = torch.stack([first, finite_rows(logits).to(torch.int64)], dim=1).tolist()  # the one sync
-    commit_first_tokens(ctx, requests, readback, "prefill")
-    ctx.metrics.first_tokens += len(requests)
-    return batch
-
-
 def required_capacity(requests: list[Request], k_max: int) -> int:
     """Columns a cache needs so that any of these requests runs to max_tokens with k_max drafts in flight."""
     return max(positions_needed(len(r.prompt_ids), r.params.max_tokens, k_max) for r in requests)
 
 
-__all__ = ["Batch", "DecodeContext", "NonFiniteLogitsError", "LEFT_PADDED", "RAGGED", "finite_rows", "prefill",
+__all__ = ["Batch", "DecodeContext", "NonFiniteLogitsError", "LEFT_PADDED", "RAGGED", "finite_rows",
            "required_capacity", "row_params"]

@@ -7,9 +7,12 @@ A step is three calls, owned here:
 1. **schedule**: abort what was aborted, admit waiting requests into free rows (prefill, by the method's
    scheduler: ragged / left-padded continuous batching, or exspec's pool), choose the rows to run;
 2. **run**: one decoding step of those rows, k fixed or chosen by auto k (`speculative.decode_step`:
-   draft, verify, accept, commit);
-3. **postprocess**: what the layout needs after a step (left-padded: drop finished rows and realign;
-   exspec: copy the rows back into the pool, count waits), auto k's timing, the deltas.
+   draft, verify, accept); it returns each row's emitted tokens (`commit.StepOutput`), read from the
+   device once, and writes no request;
+3. **postprocess**: commit those tokens to the requests (`commit.commit`: stops, non-finite checks,
+   statistics -- the one place a request's output grows; a prefill's first tokens go through it too),
+   then what the layout needs (left-padded: realign the unfinished rows; exspec: copy the rows back into
+   the pool, count waits, free finished rows), auto k's timing, the deltas.
 
 Thread safety: `add_request`, `abort`, `has_unfinished`, `num_waiting` and `num_running` may be called
 from any thread, also while `step()` runs (they only touch a lock-guarded inbox and counters the step
@@ -27,6 +30,7 @@ import torch
 
 from .autok import prepare_chooser
 from .batch import DecodeContext
+from .commit import commit
 from .detokenizer import IncrementalDetokenizer
 from .invariants import check_invariants
 from .memory import check_cache_memory
@@ -69,13 +73,13 @@ class Engine:
         self.batch_size = int(batch_size)
         self.metrics = RunMetrics(llm.method, self.batch_size)
         self.proposer = llm.new_proposer()  # this engine's drafter, with its per-row state
+        # auto k: this engine's own chooser (the LLM's holds the settings and the calibrated costs it shares)
+        self.chooser = llm.chooser.for_engine() if llm.chooser is not None else None
         self.ctx = DecodeContext(llm.target, llm.draft, llm.options, llm.vocab_size, llm.device, self.metrics,
                                  PhaseTimer(self.metrics, llm.device, llm.options.profile), llm.target_name,
-                                 llm.chooser, self.proposer)
+                                 self.chooser, self.proposer)
         self.metrics.drafter = None if self.proposer is None else self.proposer.name
         self.scheduler = SCHEDULERS[llm.method](self.ctx, self.batch_size)
-        if llm.chooser is not None:
-            llm.chooser.start_run()
         self._calibrated_rows = 0  # auto k: the batch size its cost table was measured at
         self._lock = threading.Lock()
         self._stepping = threading.Lock()
@@ -162,8 +166,9 @@ class Engine:
             batch = self._schedule()
             if batch is not None:
                 run_started, rows = time.perf_counter(), len(batch)
-                decode_step(self.ctx, batch)  # run
-                self.scheduler.postprocess(batch)
+                out = decode_step(self.ctx, batch)  # run: every row's tokens, read from the device once
+                commit(self.ctx, batch.requests, out)  # postprocess: the one place requests gain tokens
+                self.scheduler.postprocess(batch)  # the layout's part: realign, copy back, free rows
                 self.ctx.step_done(rows, run_started)
             deltas = self._deltas()
             self.metrics.wall_time_s += time.perf_counter() - started - (self.metrics.calibration_s - calibrated)
@@ -193,7 +198,7 @@ class Engine:
     def _prepare_chooser(self) -> None:
         """Auto k: measure (or load) the forward costs for the rows that can run now -- min(batch size,
         requests), in powers of two -- the first time that many can."""
-        chooser = self.llm.chooser
+        chooser = self.llm.chooser  # calibrated there: the costs are the models', shared by the LLM's engines
         if chooser is None:
             return
         live = len(self.scheduler.running()) + len(self.scheduler.waiting)
@@ -205,6 +210,7 @@ class Engine:
         requests = self.scheduler.running() + list(self.scheduler.waiting)
         started = time.perf_counter()
         prepare_chooser(self.llm, chooser, requests, *self.llm.specs, rows)
+        self.chooser.costs, self.chooser.key = chooser.costs, chooser.key
         ended = time.perf_counter()
         self.metrics.calibration_s += ended - started  # start-up work, not decoding time
         self._calibrated_rows = rows
@@ -224,7 +230,7 @@ class Engine:
                     r.first_token_at += overlap
 
     def _deltas(self) -> list[RequestDelta]:
-        deltas, tokenizer, chooser = [], self.llm.tokenizer, self.llm.chooser
+        deltas, tokenizer = [], self.llm.tokenizer
         finished = []
         with self._lock:
             live = list(self._live.items())
@@ -249,8 +255,6 @@ class Engine:
                 finished.append(rid)
                 self.metrics.latencies_s.append(output.latency_s)
                 self.metrics.ttfts_s.append(output.time_to_first_token_s)
-                if chooser is not None:
-                    chooser.forget(r)
                 if self.proposer is not None:
                     self.proposer.release(r)
             deltas.append(RequestDelta(rid, new, text, r.finished, r.finish_reason, len(r.prompt_ids),

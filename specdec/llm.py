@@ -297,7 +297,8 @@ class LLM:
         return CombinedProposer(model, self._lookup_proposer(self.lookup), self.lookup_min_match)
 
     def engine(self, batch_size: int | None = None, stream_text: bool = True) -> "Engine":
-        """An incremental `Engine` on this LLM's models (one at a time per LLM: they share auto k's state).
+        """An incremental `Engine` on this LLM's models (each engine has its own rows, caches and auto-k state;
+        engines on one LLM may be stepped in turn, from one thread: they share the models).
         `stream_text=False`: each delta's text stays "" until its request finishes (nothing detokenized per step)."""
         return Engine(self, batch_size, stream_text)
 

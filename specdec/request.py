@@ -24,6 +24,7 @@ class Request:
     seed: int | None = None  # key of its random numbers (sampling.request_seed), set at creation; None: greedy
     request_id: str = ""  # the Engine's name for it
     reported: int = 0  # output tokens already returned in a RequestDelta
+    acceptance: list[float] = field(default_factory=lambda: [0.0, 0.0])  # auto k's decayed [accepted, offered]
 
     def __post_init__(self):
         if self.seed is None and not self.params.greedy:

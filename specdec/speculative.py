@@ -1,28 +1,83 @@
-"""One decoding step on a batch, shared by every strategy.
+"""What runs the models: a prefill of newcomers, and one decoding step on a batch, shared by every method.
+Both end with one read of the device and return what each row emitted (a `StepOutput`), uncommitted.
 
 A speculative step: the proposer (specdec/proposers) plans what each row has on offer, k is chosen (fixed,
 or auto k from the offers), the proposer drafts up to k tokens per row, the target verifies k+1 positions
 in one pass, each row accepts up to its own draft length (greedy, coupled or rejection sampling:
-sampling.py), commit, fix the caches' lengths; the left-padded layout then realigns (the scheduler's
-postprocess). A target-only step (k = 0, and every AR step) feeds each row's last token once and emits one
+sampling.py), fix the caches' lengths, and return what each row emitted (a `StepOutput`): the engine commits
+it to the requests (specdec/commit.py), then the left-padded layout realigns (the scheduler's postprocess,
+`Batch.right_align`). A target-only step (k = 0, and every AR step) feeds each row's last token once and emits one
 token; a draft model skips it and catches up in its next forward (batch.py).
 
 A step reads the device once: one small tensor holding each row's emitted tokens, accepted count and
-finiteness flags, needed on the host for stop detection and request bookkeeping. Everything else the
+finiteness flags, needed on the host for stop detection and request bookkeeping (in the commit). Everything else the
 host needs to plan the next forward (lengths, widths, which rows sample) it already knows.
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from specdec.kernels.realign import realign
 from specdec.kernels.rejection import random_slot, rejection_sample
 
-from .batch import Batch, DecodeContext, finite_rows
+from .batch import LEFT_PADDED, Batch, DecodeContext, finite_rows, row_params
+from .commit import StepOutput
 from .proposers import Proposal
 from .sampling import choose_tokens, draw_step_noise, sample_race
+
+
+def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: int) -> tuple[Batch, StepOutput]:
+    """Prefill prompts (padded on the layout's side), emit each row's first token from the target. Returns
+    the batch and its first tokens, uncommitted (the caller commits them: specdec/commit.py)."""
+    device = ctx.device
+    lengths = [len(r.prompt_ids) for r in requests]
+    width = max(lengths)
+    ids = torch.zeros(len(requests), width, dtype=torch.int64)  # [B, W], 0 = padding (never attended)
+    tokens = torch.zeros(len(requests), max(capacity, width + 1), dtype=torch.int64)  # [B, C] the rows' sequences
+    for i, r in enumerate(requests):
+        prompt = torch.tensor(r.prompt_ids)
+        tokens[i, : lengths[i]] = prompt
+        if layout == LEFT_PADDED:
+            ids[i, width - lengths[i]:] = prompt
+        else:
+            ids[i, : lengths[i]] = prompt
+    ids = ids.to(device)
+
+    def empty_cache(model):
+        cache = ctx.new_cache(model, len(requests), capacity, layout)
+        cache.set_prefill(lengths, width)
+        return cache
+
+    target_cache = empty_cache(ctx.target)
+    features = None
+    if ctx.feature_draft:  # the target's hidden state at every prompt position, kept per position
+        logits, hidden = ctx.target.forward(ids, target_cache, num_new=lengths, logits="last", hidden="all")
+        features = hidden.new_zeros(len(requests), tokens.shape[1], hidden.shape[2])  # [B, C, E]
+        for i, n in enumerate(lengths):
+            features[i, :n] = hidden[i, width - n:] if layout == LEFT_PADDED else hidden[i, :n]
+    else:
+        logits = ctx.target.forward(ids, target_cache, num_new=lengths, logits="last")
+    logits = logits[:, -1, : ctx.vocab_size]  # [B, V]
+    ctx.metrics.target_forwards += 1
+    batch = Batch(list(requests), target_cache, None, tokens.to(device),
+                  torch.tensor(lengths, dtype=torch.int64, device=device), row_params(requests, device), features)
+    if ctx.draft is not None:
+        batch.draft_cache = empty_cache(ctx.draft)
+    if ctx.draft is not None and ctx.prefill_draft:
+        draft_input = {}
+        if features is not None:  # each prompt token with the target's hidden state before it
+            j = torch.arange(width, device=device)  # [W]
+            shift = torch.tensor([width - n if layout == LEFT_PADDED else 0 for n in lengths], device=device)  # [B]
+            draft_input["features"] = batch.features_before(j[None] - shift[:, None])  # [B, W, E]
+        ctx.draft.forward(ids, batch.draft_cache, num_new=lengths, logits="last", **draft_input)
+        ctx.metrics.draft_forwards += 1
+        if features is None:
+            # the draft lags by two tokens (see module docstring): the last prompt token is fed again next step
+            batch.draft_cache.set_rows(length=batch.draft_cache.length - 1, host_length=[n - 1 for n in lengths])
+    # else deferred: an empty draft cache, the whole sequence is its lag
+    first = choose_tokens(logits, batch.params, ctx.probs_dtype, batch.seq_len, lengths, ctx.kernel_backend)  # [B]
+    batch.append(first[:, None], torch.ones_like(first))
+    readback = torch.stack([first, finite_rows(logits).to(torch.int64)], dim=1).tolist()  # the one sync
+    return batch, StepOutput([[token] for token, _ in readback], [bool(f) for _, f in readback], "prefill")
 
 
 def verify(ctx: DecodeContext, batch: Batch, draft_ids):
@@ -37,9 +92,10 @@ def verify(ctx: DecodeContext, batch: Batch, draft_ids):
 
 
 def accept(ctx: DecodeContext, batch: Batch, k: int, proposal: Proposal, target_argmax, target_probs, target_ok,
-           noise):
-    """Choose each row's emitted tokens, read them back (the step's one synchronisation), commit them to
-    the requests, and set the target cache's lengths (the proposer's own state: `observe`).
+           noise) -> StepOutput:
+    """Choose each row's emitted tokens, read them back (the step's one synchronisation), and set the
+    target cache's lengths (the proposer's own state: `observe`). Returns what each row emitted, for the
+    engine to commit (specdec/commit.py).
 
     A row accepts at most its own draft length (`proposal.length`). Greedy rows accept drafts while they
     equal the target's argmax; coupled rows while they equal the target's race sample argmax(p / E) with
@@ -56,45 +112,28 @@ def accept(ctx: DecodeContext, batch: Batch, k: int, proposal: Proposal, target_
     if rejection:  # keyed by the position the row emits at: found first (the sampler's own test, on [B, k])
         residual = noise.residual(random_slot(draft_ids, target_probs, proposal.probs, noise.uniforms,
                                               proposal.length))  # [B, V]
+    # the kernel's "greedy" rows are the rows that accept by exact match with `target_argmax`: greedy rows
+    # (the argmax) and coupled rows (the race sample put in its place above); the others reject-sample
+    any_exact = params.any_greedy or params.any_coupled
     output, num_accepted = rejection_sample(
         draft_ids, target_argmax, target_probs if rejection else None, proposal.probs if rejection else None,
         params.exact_match, noise.uniforms if rejection else None, residual,
-        backend=ctx.kernel_backend, draft_len=proposal.length, any_greedy=params.any_greedy or params.any_coupled,
+        backend=ctx.kernel_backend, draft_len=proposal.length, any_greedy=any_exact,
         all_greedy=not rejection)  # [B, k+1], [B]
     batch.append(output, num_accepted + 1)
     draft_finite = proposal.finite if proposal.finite is not None else torch.ones_like(target_ok)  # [B]
     flags = torch.stack([num_accepted, target_ok.to(torch.int64), draft_finite.to(torch.int64)], dim=1)  # [B, 3]
     readback = torch.cat([output, flags], dim=1).tolist()  # [B, k+4]: the step's one read of the device
     seq_before = batch.host_seq_len
-    counts = []
-    for request, row, offered in zip(batch.requests, readback, proposal.lengths):
-        a, finite, draft_finite = row[k + 1:]
-        if not finite:
-            ctx.raise_non_finite(request, f"decoding step {ctx.metrics.steps}")
-        if not draft_finite:
-            warn_once(ctx, "draft-non-finite",
-                      "the draft model produced non-finite logits; its drafts were rejected for those rows "
-                      "(the output is the target's own, at the cost of speed)")
-        request.accepted.append(a)
-        request.step_ks.append(offered)
-        ctx.metrics.generated_tokens += request.commit(row[: a + 1])
-        counts.append(a)
-    if ctx.chooser is not None:
-        ctx.chooser.record_acceptance(batch.requests, proposal.lengths, counts)
-    m = ctx.metrics
-    m.proposed_drafts += sum(proposal.lengths)
-    m.accepted_drafts += sum(counts)
-    m.row_steps += len(counts)
-    for source, offered, a in zip(proposal.sources or [ctx.proposer.name] * len(counts), proposal.lengths, counts):
-        tally = m.drafts_by_drafter.setdefault(source, [0, 0])  # [proposed, accepted]
-        tally[0] += offered
-        tally[1] += a
+    counts = [row[k + 1] for row in readback]
     # the verify pass cached the pending token and all k drafts: keep the pending one and the accepted
     target = batch.target_cache
     target.set_rows(length=target.length - (k - num_accepted),
                     host_length=[s + a for s, a in zip(seq_before, counts)])
     ctx.proposer.observe(batch, k, seq_before, counts, num_accepted)
-    return counts
+    return StepOutput([row[: a + 1] for row, a in zip(readback, counts)], [bool(row[k + 2]) for row in readback],
+                      f"decoding step {ctx.metrics.steps}", offered=list(proposal.lengths), speculative=True,
+                      draft_finite=[bool(row[k + 3]) for row in readback], sources=proposal.sources)
 
 
 def target_forward(ctx: DecodeContext, batch: Batch, x):
@@ -108,35 +147,9 @@ def target_forward(ctx: DecodeContext, batch: Batch, x):
     return logits
 
 
-def warn_once(ctx: DecodeContext, key: str, message: str) -> None:
-    if key not in ctx.warned:
-        ctx.warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def realign_batch(ctx: DecodeContext, batch: Batch) -> None:
-    """Left-padded layout: right-align every row at the longest row's edge (invariant I6), moving the
-    target's and the draft's caches together (their rows share `start`)."""
-    target, draft = batch.target_cache, batch.draft_cache
-    longest = max(target.host_length)
-    new_host = [longest - n for n in target.host_length]
-    delta_host = [new - old for new, old in zip(new_host, target.host_start)]
-    if not any(delta_host):
-        return
-    new_start = longest - target.length  # [B]
-    delta = new_start - target.start  # [B], may be negative
-    caches = [(target.k, target.v)] + ([(draft.k, draft.v)] if draft is not None else [])
-    realign(caches, target.start, target.length, delta, backend=ctx.kernel_backend,
-            host=(target.host_start, target.host_length, delta_host))
-    target.set_rows(start=new_start, host_start=new_host)
-    if draft is not None:
-        draft.set_rows(start=new_start.clone(), host_start=list(new_host))
-
-
-def speculative_step(ctx: DecodeContext, batch: Batch, k: int, plan) -> None:
+def speculative_step(ctx: DecodeContext, batch: Batch, k: int, plan) -> StepOutput:
     """Propose, verify and accept one step of up to k drafts per row of `batch` (`plan`: the proposer's
-    offers, see specdec/proposers; finished rows stay in place: the scheduler drops, refills or realigns
-    them)."""
+    offers, see specdec/proposers). Returns what each row emitted, uncommitted."""
     params = batch.params
     with ctx.timer.phase("other"):  # keyed by (seed, position): column j is position seq_len + j, whatever k
         noise = draw_step_noise(params, batch.seq_len, batch.host_seq_len, k, ctx.vocab_size, ctx.probs_dtype,
@@ -146,11 +159,12 @@ def speculative_step(ctx: DecodeContext, batch: Batch, k: int, plan) -> None:
     with ctx.timer.phase("verify"):
         target_argmax, target_probs, target_ok = verify(ctx, batch, proposal.tokens)
     with ctx.timer.phase("accept"):
-        accept(ctx, batch, k, proposal, target_argmax, target_probs, target_ok, noise)
+        out = accept(ctx, batch, k, proposal, target_argmax, target_probs, target_ok, noise)
     ctx.metrics.record_step(k)
+    return out
 
 
-def target_step(ctx: DecodeContext, batch: Batch) -> None:
+def target_step(ctx: DecodeContext, batch: Batch) -> StepOutput:
     """One token per row from the target alone (AR decoding, and k = 0 steps of speculative strategies)."""
     with ctx.timer.phase("verify"):
         pending = batch.last_tokens(1, batch.target_cache.layout)  # [B, 1]
@@ -160,19 +174,17 @@ def target_step(ctx: DecodeContext, batch: Batch) -> None:
                                ctx.kernel_backend)  # [B]
         batch.append(tokens[:, None], torch.ones_like(tokens))
         readback = torch.stack([tokens, finite_rows(logits).to(torch.int64)], dim=1).tolist()  # the one sync
-        for request, (token, finite) in zip(batch.requests, readback):
-            if not finite:
-                ctx.raise_non_finite(request, f"decoding step {ctx.metrics.steps}")
-            request.step_ks.append(0)
-            ctx.metrics.generated_tokens += request.commit([token])
-        ctx.metrics.row_steps += len(readback)
+    out = StepOutput([[token] for token, _ in readback], [bool(f) for _, f in readback],
+                     f"decoding step {ctx.metrics.steps}", offered=[0] * len(readback))
     ctx.metrics.record_step(0)
+    return out
 
 
-def decode_step(ctx: DecodeContext, batch: Batch) -> int:
+def decode_step(ctx: DecodeContext, batch: Batch) -> StepOutput:
     """One step of the batch: the proposer's plan (what each row has on offer, on the host), k chosen by
-    the context (fixed, or auto from the offers), at most the longest offer; returns k. The scheduler's
-    postprocess (realignment) follows, and only then `ctx.step_done` times the step."""
+    the context (fixed, or auto from the offers), at most the longest offer. Returns what each row emitted;
+    the engine commits it (specdec/commit.py), then the scheduler's postprocess (realignment) follows, and
+    only then `ctx.step_done` times the step."""
     proposer = ctx.proposer
     plan = proposer.plan(batch, ctx.k_max) if proposer is not None else None
     # what bounds each row's drafts: a lookup's offers (a draft model, even beside a lookup, offers k everywhere)
@@ -186,7 +198,5 @@ def decode_step(ctx: DecodeContext, batch: Batch) -> int:
     if offers is not None:
         k = min(k, max(offers, default=0))
     if k == 0:
-        target_step(ctx, batch)
-    else:
-        speculative_step(ctx, batch, k, plan)
-    return k
+        return target_step(ctx, batch)
+    return speculative_step(ctx, batch, k, plan)

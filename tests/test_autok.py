@@ -8,6 +8,7 @@ import pytest
 from choosers import SCRIPT, ScriptedChooser, linear_costs
 from specdec import LLM, SamplingParams
 from specdec.batch import Batch
+from specdec.request import Request
 from specdec.autok import (CostTable, KChooser, agrees, cache_key, calibrate, forward_variant, load_costs, monotone,
                            save_costs)
 from specdec.models import load_model
@@ -21,8 +22,8 @@ class FakeBatch:
     def __init__(self, seq_len, draft_length, tokens_left):
         self.host_seq_len = seq_len
         self.draft_cache = type("Cache", (), {"host_length": draft_length})()
-        self.requests = [type("R", (), {"params": SamplingParams(max_tokens=n), "output_ids": []})()
-                         for n in tokens_left]
+        self.requests = [type("R", (), {"params": SamplingParams(max_tokens=n), "output_ids": [],
+                                        "acceptance": [0.0, 0.0]})() for n in tokens_left]
 
     def __len__(self):
         return len(self.host_seq_len)
@@ -49,13 +50,17 @@ def test_k_falls_to_zero_when_verifying_costs_more_than_it_gains():
     assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1] == 0, ks
 
 
+def requests(n: int) -> list[Request]:
+    return [Request(i, [1, 2], SamplingParams(), frozenset()) for i in range(n)]
+
+
 def test_acceptance_estimates_follow_each_request():
     chooser = KChooser(5, linear_costs(10e-3, 0.1e-3, 1e-3, 0.01e-3))
-    good, bad = object(), object()
+    good, bad = requests(2)  # the estimates live on the requests (Request.acceptance)
     for _ in range(10):
         chooser.record_acceptance([good, bad], [5, 5], [5, 0])
     assert chooser.alpha(good) > 0.9 and chooser.alpha(bad) < 0.4  # a rejection at the first draft is one trial
-    fresh = object()  # a new request starts at the pooled estimate
+    fresh, = requests(1)  # a new request starts at the pooled estimate
     assert chooser.alpha(bad) < chooser.alpha(fresh) < chooser.alpha(good)
 
 

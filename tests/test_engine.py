@@ -152,6 +152,44 @@ def test_add_and_abort_from_another_thread(pair, reference):
     check_results(results, reference, params, aborted={5})
 
 
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_two_engines_on_one_llm_do_not_interfere(pair, reference, method):
+    """Two engines on one LLM, stepped in turn: each gives exactly what it gives alone -- the tokens and
+    the k of every step (auto k, here a scripted chooser: a chooser shared by the engines would hand each
+    engine every other k of the script) -- and the acceptance statistics stay on each engine's requests."""
+    from choosers import ScriptedChooser
+
+    prompts, params, _ = reference
+    llm = make_llm(pair, method, "auto")
+    llm.chooser = ScriptedChooser((3, 0, 2, 1, 4), 4)
+    works = {"a": range(0, 6), "b": range(6, 14)}
+
+    def start(name):
+        engine = llm.engine()
+        for i in works[name]:
+            engine.add_request(prompts[i], params[i], request_id=f"{name}{i}")
+        return engine
+
+    def finished(engine, results):
+        for d in engine.step():
+            if d.finished:
+                results[d.request_id] = (d.output.token_ids, d.output.speculative_tokens, d.output.accepted_counts)
+
+    alone = {}
+    for name in works:
+        engine = start(name)
+        while engine.has_unfinished():
+            finished(engine, alone)
+    engines, together = [start("a"), start("b")], {}
+    while any(e.has_unfinished() for e in engines):
+        for engine in engines:
+            if engine.has_unfinished():
+                finished(engine, together)
+    assert together == alone
+    assert all(any(ks) for _, ks, _ in alone.values())  # the script's k > 0 steps ran
+    assert engines[0].chooser is not engines[1].chooser is not llm.chooser
+
+
 def test_counts_and_errors(pair, reference):
     prompts, params, _ = reference
     engine = make_llm(pair, "ragged", 3, batch_size=2).engine()

@@ -62,8 +62,9 @@ def test_rejected_drafts_left_visible(pair, monkeypatch):
 
     def broken(ctx, batch, *args):
         verified = batch.target_cache.length.clone()  # after verification: every draft cached
-        original(ctx, batch, *args)
+        out = original(ctx, batch, *args)
         batch.target_cache.length = verified  # "forget" to drop the rejected ones
+        return out  # what each row emitted (the engine commits it)
 
     monkeypatch.setattr(speculative, "accept", broken)
     with pytest.raises(InvariantError, match="lengths: target"):

@@ -3,18 +3,24 @@
 
 - ragged (`ar`, `ragged`): each row at its own offsets (start = 0), nothing ever moves. A finished row's
   slot takes the next waiting request (prefilled on its own, then copied into the slot); rows left free
-  when nobody waits are compacted away; newcomers beyond the free slots are appended as new rows.
-- left-padded (`eqspec`, the paper's EQSPEC): every row ends at one column. After every step the finished
-  rows are dropped and the rest realigned (shifted, in both caches, to end at the longest row's edge);
-  a newcomer is prefilled on its own and appended, then the same realignment right-aligns it with the
-  others (or moves them right, if its prompt is longer than every running row).
+  when nobody waits are compacted away (the last rows move into them); newcomers beyond the free slots are
+  appended as new rows.
+- left-padded (`eqspec`, the paper's EQSPEC): every running row ends at one column. After every step the
+  unfinished rows are realigned (shifted, in both caches, to end at the longest row's edge). Finished rows
+  are handled as in the ragged layout: a newcomer is prefilled on its own and copied into a free row, right-
+  aligned at that edge (if its prompt is longer than every running row, the realignment then moves the
+  others right); rows left free are filled by moving the last rows into them.
+
+Rows join and leave by copying that row alone (`Batch.load`, `Batch.drop_finished`); the batch's storage is
+copied only when it grows (more rows: `Batch.reserve`, in powers of two; more columns: `Batch.grow`).
 """
 from __future__ import annotations
 
 from collections import deque
 
-from ..batch import LEFT_PADDED, Batch, DecodeContext, prefill, required_capacity
-from ..speculative import realign_batch
+from ..batch import LEFT_PADDED, Batch, DecodeContext, required_capacity
+from ..commit import commit
+from ..speculative import prefill
 
 
 class ContinuousScheduler:
@@ -39,22 +45,40 @@ class ContinuousScheduler:
         if request in self.waiting:
             self.waiting.remove(request)
 
-    def _prefill(self, n: int, capacity: int) -> tuple[Batch | None, list]:
-        """Prefill up to n waiting requests. Returns the batch of those still live (None if none) and the
-        ones that finished at their first token."""
+    def _prefill(self, n: int, capacity: int | None = None) -> tuple[Batch | None, list]:
+        """Prefill up to n waiting requests, into caches of `capacity` columns (at least what they need), or
+        None: of their prompts only (rows that are copied into the batch, which `_room_for` grows). Returns
+        the batch of those still live (None if none) and the ones that finished at their first token."""
         done = []
         while self.waiting:
             chunk = [self.waiting.popleft() for _ in range(min(n, len(self.waiting)))]
-            fresh = prefill(self.ctx, chunk, self.layout, max(capacity, required_capacity(chunk, self.ctx.k_max)))
+            need = (max(capacity, required_capacity(chunk, self.ctx.k_max)) if capacity is not None
+                    else max(len(r.prompt_ids) for r in chunk) + 1)
+            fresh, first = prefill(self.ctx, chunk, self.layout, need)
+            commit(self.ctx, fresh.requests, first)
             done += fresh.drop_finished()
             if len(fresh):
                 return fresh, done
         return None, done
 
+    def _room_for(self, fresh: Batch) -> None:
+        """Grow the batch's columns to what the newcomers need (a copy of the batch, only when it grows)."""
+        self.batch.grow(required_capacity(fresh.requests, self.ctx.k_max))
+
     # ------------------------------------------------------------------------------------ schedule
+    def _starts(self, fresh: Batch) -> list[int] | None:
+        """Left-padded: the column each newcomer's caches start at, so that it ends at the batch's edge (the
+        longest unfinished row, or the newcomer if it is longer: then `Batch.right_align` moves the others)."""
+        if self.layout != LEFT_PADDED:
+            return None
+        running = [n for n, r in zip(self.batch.target_cache.host_length, self.batch.requests) if not r.finished]
+        edge = max(running + fresh.target_cache.host_length)
+        return [edge - n for n in fresh.target_cache.host_length]
+
     def admit(self) -> list:
-        """Give waiting requests the rows that are free (finished, aborted) or not yet used. Returns the
-        requests that finished at their first token."""
+        """Give waiting requests the rows that are free (finished, aborted) or not yet used: each newcomer
+        is prefilled and copied into its row, no other row is copied (left-padded: unless a newcomer is
+        longer than every running row). Returns the requests that finished at their first token."""
         ctx, done = self.ctx, []
         with ctx.timer.phase("prefill"):
             if self.batch is None:
@@ -63,31 +87,32 @@ class ContinuousScheduler:
                     self.batch, done = self._prefill(self.batch_size, capacity)
                 return done
             free = [i for i, r in enumerate(self.batch.requests) if r.finished]
-            if self.layout != LEFT_PADDED:  # ragged: newcomers take the free slots in place
-                while free and self.waiting:
-                    fresh, finished = self._prefill(len(free), self.batch.capacity)
-                    done += finished
-                    if fresh is None:
-                        break
-                    self.batch.grow(fresh.capacity)
-                    self.batch.load(free[: len(fresh)], fresh)
-                    free = free[len(fresh):]
-            if free:
-                self.batch.drop_finished()
-            appended = False
-            while self.waiting and len(self.batch) < self.batch_size:
-                fresh, finished = self._prefill(self.batch_size - len(self.batch), self.batch.capacity)
+            admitted = False
+            while free and self.waiting:  # newcomers take the free rows in place
+                fresh, finished = self._prefill(len(free))
                 done += finished
                 if fresh is None:
                     break
-                if len(self.batch):
-                    self.batch.extend(fresh)
-                else:
-                    self.batch = fresh
-                appended = True
-        if appended and self.layout == LEFT_PADDED and len(self.batch):
+                self._room_for(fresh)
+                self.batch.load(free[: len(fresh)], fresh, self._starts(fresh))
+                free = free[len(fresh):]
+                admitted = True
+            if free:
+                self.batch.drop_finished()
+            if self.waiting and len(self.batch) < self.batch_size:  # room for all that may join now
+                wanted = len(self.batch) + len(self.waiting)
+                self.batch.reserve(min(self.batch_size, 1 << (wanted - 1).bit_length()))
+            while self.waiting and len(self.batch) < self.batch_size:
+                fresh, finished = self._prefill(self.batch_size - len(self.batch))
+                done += finished
+                if fresh is None:
+                    break
+                self._room_for(fresh)
+                self.batch.extend(fresh, self._starts(fresh))
+                admitted = True
+        if admitted and self.layout == LEFT_PADDED and len(self.batch):
             with ctx.timer.phase("realign"):
-                realign_batch(ctx, self.batch)
+                self.batch.right_align()
         return done
 
     def select(self) -> Batch | None:
@@ -95,12 +120,8 @@ class ContinuousScheduler:
         return self.batch if self.batch is not None and len(self.batch) else None
 
     def postprocess(self, batch: Batch) -> None:
-        """Left-padded: drop the finished rows and right-align the rest (invariant I6). Ragged: nothing
-        moves; finished rows wait for `admit` to refill or drop them."""
-        if self.layout != LEFT_PADDED:
-            return
-        with self.ctx.timer.phase("other"):
-            batch.drop_finished()
-        if len(batch):
+        """Left-padded: right-align the unfinished rows (invariant I6); finished rows stay, as in the ragged
+        layout, until `admit` refills or removes them. Ragged: nothing moves."""
+        if self.layout == LEFT_PADDED:
             with self.ctx.timer.phase("realign"):
-                realign_batch(self.ctx, batch)
+                batch.right_align()

@@ -23,9 +23,10 @@ from collections import deque
 
 import torch
 
-from ..batch import LEFT_PADDED, RAGGED, Batch, DecodeContext, prefill, required_capacity, row_params
+from ..batch import LEFT_PADDED, RAGGED, Batch, DecodeContext, required_capacity, row_params
+from ..commit import commit
 from ..options import positions_needed
-from ..speculative import realign_batch
+from ..speculative import prefill
 
 # Settings (EngineOptions): `realign_cost_ratio`, one row's realignment time over a step's fixed cost
 # (measured: docs/exspec.md), sets which groups are worth a step (`min_group_size`); `fold_shift` writes
@@ -102,10 +103,11 @@ def min_group_size(batch_size: int, live: int, realign_cost: float) -> int:
 
 # ------------------------------------------------------------------------------------------------- pool
 class Pool:
-    """Slots of target and draft KV state (ragged: start = 0) with the sequences of the requests in them
-    (`tokens` [size, C], `seq_len` [size], on the device) and their waits, and a `batch_size`-row buffer
-    per model that a step runs on. It grows (more slots, more columns) as requests arrive, up to the
-    pool limit; rows move only through `KVCache.gather_rows` / `scatter_rows` / `load_rows`.
+    """Slots of target and draft KV state (ragged: start = 0) with the sequences of the requests in them,
+    and their waits, and a `batch_size`-row buffer per model that a step runs on. The slots are a ragged
+    `Batch` (`store`: the one row storage, shared with continuous batching: `load`, `grow`, `add_rows`),
+    whose rows hold None while free. It grows (more slots, more columns) as requests arrive, up to the pool
+    limit; rows move only through `KVCache.gather_rows` / `scatter_rows` and `Batch.load`.
 
     Between steps, slot s holds `rows[s]`'s target cache (len(sequence) - 1 tokens at columns 0..) and its
     draft cache (a shorter prefix, see batch.py), exactly as a ragged Batch row would. The buffers are
@@ -116,14 +118,12 @@ class Pool:
     def __init__(self, ctx: DecodeContext, size: int, capacity: int, batch_size: int):
         self.ctx = ctx
         self.batch_size = batch_size
-        self.target = ctx.new_cache(ctx.target, size, capacity, RAGGED)
         # no draft cache for a proposer without a model (ngram, suffix)
-        self.draft = ctx.new_cache(ctx.draft, size, capacity, RAGGED) if ctx.draft is not None else None
+        self.store = Batch([None] * size, ctx.new_cache(ctx.target, size, capacity, RAGGED),
+                           ctx.new_cache(ctx.draft, size, capacity, RAGGED) if ctx.draft is not None else None,
+                           torch.zeros(size, capacity, dtype=torch.int64, device=ctx.device),  # [size, C]
+                           torch.zeros(size, dtype=torch.int64, device=ctx.device))  # [size]
         self.buffers = self._buffers(size, capacity)
-        self.tokens = torch.zeros(size, capacity, dtype=torch.int64, device=ctx.device)  # [size, C]
-        self.seq_len = torch.zeros(size, dtype=torch.int64, device=ctx.device)  # [size]
-        self.features = None  # [size, C, E] the target's hidden states per position (feature drafts: batch.py)
-        self.rows: list = [None] * size  # the request in each slot
         self.waits: list[int] = [0] * size  # steps since each slot's row was last scheduled
         self.stepped: list[int] = []  # the slots of the batch in flight (set by gather, read by scatter)
         self.firsts: tuple[list[int], list[int]] = ([], [])  # per stepped row: the first column the step may write
@@ -133,6 +133,31 @@ class Pool:
         draft = self.ctx.draft
         return (self.ctx.new_cache(self.ctx.target, rows, capacity, LEFT_PADDED),
                 self.ctx.new_cache(draft, rows, capacity, LEFT_PADDED) if draft is not None else None)
+
+    # the slots' state, in the store
+    @property
+    def rows(self) -> list:
+        return self.store.requests  # the request in each slot (None: free)
+
+    @property
+    def target(self):
+        return self.store.target_cache
+
+    @property
+    def draft(self):
+        return self.store.draft_cache
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.store.tokens  # [size, C]
+
+    @property
+    def seq_len(self) -> torch.Tensor:
+        return self.store.seq_len  # [size]
+
+    @property
+    def features(self):
+        return self.store.features  # [size, C, E] the target's hidden states (feature drafts: batch.py), or None
 
     @property
     def size(self) -> int:
@@ -146,27 +171,14 @@ class Pool:
         """At least `size` slots of at least `capacity` columns (existing rows keep their places)."""
         if size <= self.size and capacity <= self.capacity:
             return
-        capacity = max(capacity, self.capacity)
-        for cache in self.caches():
-            cache.grow(capacity)
-            if size > self.size:
-                cache.add_rows(size - self.size)
+        self.store.grow(capacity)
         if size > self.size:
-            more = size - self.size
-            self.seq_len = torch.cat([self.seq_len, self.seq_len.new_zeros(more)])  # [size]
-            self.rows += [None] * more
-            self.waits += [0] * more
-        tokens = torch.zeros(self.size, capacity, dtype=torch.int64, device=self.ctx.device)  # [size, C]
-        tokens[: self.tokens.shape[0], : self.tokens.shape[1]] = self.tokens
-        self.tokens = tokens
-        if self.features is not None:
-            features = self.features.new_zeros(self.size, capacity, self.features.shape[2])  # [size, C, E]
-            features[: self.features.shape[0], : self.features.shape[1]] = self.features
-            self.features = features
-        self.buffers = self._buffers(self.size, capacity)
+            self.waits += [0] * (size - self.size)
+            self.store.add_rows(size - self.size)
+        self.buffers = self._buffers(self.size, self.capacity)
 
     def caches(self) -> list:
-        return [c for c in (self.target, self.draft) if c is not None]
+        return self.store.caches()
 
     def free_slots(self) -> list[int]:
         return [s for s, r in enumerate(self.rows) if r is None]
@@ -182,18 +194,8 @@ class Pool:
 
     def load(self, slots: list[int], fresh: Batch) -> None:
         """Copy a freshly prefilled (ragged) batch into free slots."""
-        self.target.load_rows(slots, fresh.target_cache)
-        if self.draft is not None:
-            self.draft.load_rows(slots, fresh.draft_cache)
-        index = self.index(slots)
-        self.tokens[index, : fresh.tokens.shape[1]] = fresh.tokens
-        self.seq_len[index] = fresh.seq_len
-        if fresh.features is not None:
-            if self.features is None:
-                self.features = fresh.features.new_zeros(self.size, self.capacity, fresh.features.shape[2])
-            self.features[index, : fresh.features.shape[1]] = fresh.features
-        for slot, request in zip(slots, fresh.requests):
-            self.rows[slot] = request
+        self.store.load(slots, fresh)
+        for slot in slots:
             self.waits[slot] = 0
 
     def gather(self, slots: list[int], grouped: bool, fold_shift: bool) -> Batch:
@@ -216,7 +218,7 @@ class Pool:
                       row_params(requests, ctx.device), features)
         if not grouped and not fold:
             with ctx.timer.phase("realign"):
-                realign_batch(ctx, batch)
+                batch.right_align()
         # a step writes the target from its cached length on, the draft from where it is rewound to
         drafted = []
         if draft is not None:
@@ -289,7 +291,8 @@ class PoolScheduler:
             free = self.pool.free_slots()
             while free and self.waiting:
                 chunk = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
-                fresh = prefill(ctx, chunk, RAGGED, self.pool.capacity)
+                fresh, first = prefill(ctx, chunk, RAGGED, self.pool.capacity)
+                commit(ctx, fresh.requests, first)
                 done += fresh.drop_finished()
                 if len(fresh):
                     self.pool.load(free[: len(fresh)], fresh)
