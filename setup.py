@@ -21,7 +21,8 @@ setup(
         "specdec.kernels": "kernels",
         "specdec.models": "models",
     },
-    package_data={"specdec": ["assets/prompts.txt", "assets/default_pair/*/*", "assets/drafts/*/*"]},
+    package_data={"specdec": ["assets/prompts.txt", "assets/default_pair/*/*", "assets/drafts/*/*"],
+                  "specdec.train": ["default_pair_template.md"]},
     install_requires=[
         "torch>=2.4",
         "triton>=3.0; platform_system == 'Linux'",

@@ -20,7 +20,7 @@ from specdec.options import EngineOptions
 ROOT = Path(__file__).resolve().parents[1]
 # the user-facing docs whose flags must exist (the benchmark pages name each bench script's own flags with its command)
 DOCS = ["README.md", "docs/api.md", "docs/design.md", "docs/distributed.md", "docs/serve.md", "docs/exspec.md",
-        "docs/default_pair.md", "docs/kernels.md", "docs/feature_draft.md"]
+        "docs/default_pair.md", "docs/kernels.md", "docs/feature_draft.md", "docs/train.md"]
 # our user-facing command lines (python -m MODULE)
 CLIS = ["specdec.run", "specdec.serve", "specdec.convert", "specdec.train"]
 SERVE_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("fastapi", "uvicorn"))  # the serve extra
