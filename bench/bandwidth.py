@@ -1,11 +1,7 @@
-"""DRAM read bandwidth of this machine, measured the way a decode step reads its weights: `torch.sum` over a
-float32 tensor much larger than the caches (512 MiB by default), with torch's threads.
+"""DRAM read bandwidth, measured the way a decode step reads its weights: `torch.sum` over a float32 tensor far
+larger than the caches. bench/peers.py calls `read_bandwidth()` beside its timings.
 
-    python bench/bandwidth.py                     # 512 MiB, 9 repeats, torch's default threads
-    python bench/bandwidth.py --mib 1024 --threads 2 --repeats 15
-
-Prints the median GB/s (10^9 bytes/s) with its min-max. bench/peers.py calls `read_bandwidth()` in the same
-run as its timings, so that its weight-bytes/s figures are compared with this machine's bandwidth then.
+    python -m bench.bandwidth --mib 1024 --threads 2 --repeats 15
 """
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
 """Batch-invariant numerics (`LLM(batch_invariant=True)`): what it fixes, what it costs.
 
-    python -m bench.batch_invariant probe                 # which torch CPU ops are batch-invariant here, per dtype
-    nice python -m bench.batch_invariant equivalence      # greedy spec == AR@1 on SpecBench, mode off and on
-    python -m bench.batch_invariant equivalence --prompts tests/data/spec_bench_64.jsonl --max-prompt-tokens 64 \
-        --max-tokens 16 --dtypes bfloat16   # the CI slice (tests/test_batch_invariant.py), mode off and on
-    nice python -m bench.batch_invariant cost             # tokens/s with the mode on vs off, both pairs
+probe: which torch CPU ops give a row the same bits whatever else is in the call, per dtype; equivalence: greedy
+eqspec/ragged/exspec at batch 8 against AR at batch 1 on SpecBench, mode off and on; cost: tokens/s with the mode
+off and on, interleaved, both pairs (docs/benchmarks/batch-invariant.md). JSON and markdown go to --out
+(default bench/results/batch_invariant).
 
-equivalence: SpecBench's 480 first turns (/work/shared/data/spec_bench/question.jsonl, or --prompts), tokenized
-by the default pair's tokenizer and cut to the first `context - max_tokens - k - 1` tokens (the default pair's
-context is 256), greedy, 32 new tokens, k = 5; AR at batch 1 is the reference, eqspec / ragged / exspec run
-at batch 8; the same dtype and mode for both. Prints the exact-match counts per (dtype, mode, method).
-
-cost: for each pair (the default pair; the synthetic pair of bench/pairs.py) and dtype, one engine with the
-mode off and one with it on (separate model copies), timed in interleaved rounds (off/on order alternating)
-after a warm-up: AR at batch 1 and 8, eqspec / ragged / exspec at batch 8. Reports median tokens/s, the
-slowdown (off / on) and its spread over rounds.
-
-Everything lands in --out (default bench/results/batch_invariant/) as JSON and a markdown table.
+    python -m bench.batch_invariant probe
 """
 from __future__ import annotations
 
@@ -31,16 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import (REPO, HelpFormatter, comma_list, command_line, file_sha256, fmt_spread, interleave,
-                          machine_line, md_table, random_prompts)
+                          log, machine_line, md_table, random_prompts, write_json)
 from bench.pairs import pair_dirs
 
 SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "batch_invariant")
 SPEC_METHODS = ("eqspec", "ragged", "exspec")
-
-
-def log(*args) -> None:
-    print(*args, file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------------------------ probe
@@ -83,7 +68,7 @@ def _sdpa_case(dtype, pad, T, last, q, k, v):
     return sdpa, ours
 
 
-def probe(args) -> dict:
+def probe() -> dict:
     """Measure which torch CPU paths give a row the same bits whatever else is in the call."""
     from specdec.kernels import bi_matmul as bm
     from specdec.models.transformer import RMSNorm
@@ -188,11 +173,9 @@ def equivalence(args) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     info = {"target": target, "draft": draft, "prompts": args.prompts,
             "target_sha256": file_sha256(os.path.join(target, "model.safetensors"), 16),
-            "draft_sha256": file_sha256(os.path.join(draft, "model.safetensors"), 16),
-            "num_prompts": len(ids), "max_prompt_tokens": max_prompt,
-            "prompts_cut": cut,
-            "max_tokens": args.max_tokens, "k": args.k, "batch_size": args.batch_size, "machine": machine_line(),
-            "runs": []}
+            "draft_sha256": file_sha256(os.path.join(draft, "model.safetensors"), 16), "num_prompts": len(ids),
+            "max_prompt_tokens": max_prompt, "prompts_cut": cut, "max_tokens": args.max_tokens, "k": args.k,
+            "batch_size": args.batch_size, "machine": machine_line(), "runs": []}
     for dtype in args.dtypes:
         for mode in args.modes:
             t0 = time.perf_counter()
@@ -201,7 +184,7 @@ def equivalence(args) -> dict:
             run = {"dtype": dtype, "batch_invariant": mode, "method": "ar", "batch_size": 1,
                    "tokens_per_s": ref.metrics.tokens_per_s, "seconds": time.perf_counter() - t0}
             info["runs"].append(run)
-            log(f"[equivalence] {dtype} mode={'on' if mode else 'off'} ar@1: {run['seconds']:.0f}s")
+            log("equivalence", f"{dtype} mode={'on' if mode else 'off'} ar@1: {run['seconds']:.0f}s")
             for method in SPEC_METHODS:
                 t0 = time.perf_counter()
                 llm = LLM(target, draft, method=method, num_speculative_tokens=args.k, batch_size=args.batch_size,
@@ -213,7 +196,7 @@ def equivalence(args) -> dict:
                        "acceptance": outs.metrics.acceptance_rate, "tokens_per_s": outs.metrics.tokens_per_s,
                        "seconds": time.perf_counter() - t0}
                 info["runs"].append(run)
-                log(f"[equivalence] {dtype} mode={'on' if mode else 'off'} {method}@{args.batch_size}: "
+                log("equivalence", f"{dtype} mode={'on' if mode else 'off'} {method}@{args.batch_size}: "
                     f"{run['matches']}/{len(ids)} match AR@1 ({run['seconds']:.0f}s)")
     return info
 
@@ -264,7 +247,7 @@ def cost(args) -> dict:
                     mode: lambda llm=engines[mode, method, batch], n=n: llm.generate(
                         prompt_token_ids=prompts[:n], sampling_params=params).metrics.tokens_per_s
                     for mode in (False, True)}, args.rounds, warmup=0).items()}
-                log(f"[cost] {pair} {dtype} {method}@{batch}: {args.rounds} rounds done")
+                log("cost", f"{pair} {dtype} {method}@{batch}: {args.rounds} rounds done")
             for method, batch in COST_CONFIGS:
                 off, on = times[False, method, batch], times[True, method, batch]
                 ratios = [a / b for a, b in zip(off, on)]
@@ -273,7 +256,7 @@ def cost(args) -> dict:
                         "slowdown": statistics.median(ratios), "slowdown_min": min(ratios),
                         "slowdown_max": max(ratios), "slowdown_runs": ratios, "runs_off": off, "runs_on": on}
                 info["cells"].append(cell)
-                log(f"[cost] {pair} {dtype} {method}@{batch}: off {cell['tokens_per_s_off']:.1f} tok/s, on "
+                log("cost", f"{pair} {dtype} {method}@{batch}: off {cell['tokens_per_s_off']:.1f} tok/s, on "
                     f"{cell['tokens_per_s_on']:.1f} tok/s, slowdown {cell['slowdown']:.2f}x")
             del engines
     return info
@@ -289,8 +272,7 @@ def cost_table(info: dict) -> str:
 
 # ------------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("what", choices=("probe", "equivalence", "cost"))
     p.add_argument("--prompts", default=SPEC_BENCH, help="SpecBench-style question.jsonl (first turns)")
     p.add_argument("--num-prompts", type=int, default=None, help="equivalence: the first N prompts (default all)")
@@ -300,10 +282,10 @@ def main(argv=None) -> int:
                    help="equivalence: batch_invariant off and/or on")
     p.add_argument("--target", default=None, help="equivalence: target checkpoint (default: the default pair)")
     p.add_argument("--draft", default=None, help="equivalence: draft checkpoint (default: the default pair)")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="equivalence: cut prompts to this many tokens (default: what fits the context)")
-    p.add_argument("-k", type=int, default=5)
+    p.add_argument("-k", type=int, default=5, help="draft tokens per step")
     p.add_argument("--batch-size", type=int, default=8, help="equivalence: batch of the speculative methods")
     p.add_argument("--pairs", type=comma_list(("default", "synthetic")), default="default,synthetic",
                    help="cost: comma-separated, default and/or synthetic")
@@ -311,7 +293,7 @@ def main(argv=None) -> int:
     p.add_argument("--cost-prompts-b1", type=int, default=4, help="cost: prompts per batch-1 run")
     p.add_argument("--rounds", type=int, default=3, help="cost: interleaved rounds")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--out", default=DEFAULT_OUT, help="output folder")
     args = p.parse_args(argv)
     args.modes = [m == "on" for m in args.modes]
     torch.set_num_threads(args.threads)
@@ -319,29 +301,22 @@ def main(argv=None) -> int:
     command = command_line("bench.batch_invariant", argv)
     t0 = time.perf_counter()
     if args.what == "probe":
-        table = probe_table(probe(args))
+        table = probe_table(probe())
         result = {"machine": machine_line(), "table": table}
-    elif args.what == "equivalence":
-        result = equivalence(args)
-        table = equivalence_table(result)
     else:
-        result = cost(args)
-        table = cost_table(result)
-    result["command"] = command
-    result["seconds"] = time.perf_counter() - t0
-    suffix = ""
+        result = (equivalence if args.what == "equivalence" else cost)(args)
+        table = (equivalence_table if args.what == "equivalence" else cost_table)(result)
+    result.update(command=command, seconds=time.perf_counter() - t0)
+    name, header = args.what, f"`{command}`\n\n{result['machine']}; {result['seconds']:.0f} s"
     if args.what == "equivalence":  # slices and single-dtype runs get their own files (runs may go in parallel)
-        suffix = (f"-{args.num_prompts}" if args.num_prompts else "") + (
+        name += (f"-{args.num_prompts}" if args.num_prompts else "") + (
             f"-{args.dtypes[0]}" if len(args.dtypes) == 1 else "")
-    with open(os.path.join(args.out, f"{args.what}{suffix}.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    header = f"`{command}`\n\n{result['machine']}; {result['seconds']:.0f} s"
-    if args.what == "equivalence":
         header += (f"; target {result['target_sha256']}, draft {result['draft_sha256']} (sha256 of model.safetensors, "
                    f"first 16 hex); {result['num_prompts']} prompts, {result['prompts_cut']} cut to "
                    f"{result['max_prompt_tokens']} tokens")
+    write_json(os.path.join(args.out, f"{name}.json"), result)
     text = f"{header}\n\n{table}\n"
-    with open(os.path.join(args.out, f"{args.what}{suffix}.md"), "w") as f:
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
         f.write(text)
     print(text)
     return 0

@@ -1,19 +1,8 @@
-"""Kernel microbenchmarks (pytest-benchmark). Not part of the test run (testpaths = tests).
+"""Kernel microbenchmarks (pytest-benchmark; not part of the test run): realign, rejection sampling, race noise,
+the batch-invariant linear and attention, weight-only quantized matmul. On CPU the torch reference path is timed,
+on CUDA the Triton kernels; `extra_info` holds each case's shape, path and bytes per second (docs/kernels.md).
 
-    python -m pytest bench/bench_kernels.py --benchmark-only [--benchmark-json out.json]
     SPECDEC_BENCH_QUICK=1 python -m pytest bench/bench_kernels.py --benchmark-only   # a couple of minutes on CPU
-
-On CPU the torch reference path is timed (the Triton interpreter says nothing about speed) and
-`extra_info["path"] == "torch"`; with CUDA the Triton kernels are timed (synchronising), next to the torch
-reference where it fits in memory, and `extra_info` also holds `triton.testing.do_bench` quantiles.
-
-realign: target cache [L, B, 8, C, 128] + draft cache [L/2, B, 8, C, 64] (a Llama-3.1-8B / 3.2-1B pair),
-bfloat16, rows shifted by delta in [-k, k] (k = 4, one row unmoved). `extra_info`: `payload_bytes` (bytes of the
-moved columns), `gbps` = 2 * payload / time (read + write) and `copy_gbps`, the same for a plain
-`dst.copy_(src)` of `payload_bytes` on the same device: the ceiling the kernel is compared against.
-
-noise: a step's race noise [B, k+1, V] float32 keyed by (seed, position) (Philox: the Triton kernel on CUDA,
-its torch reference on CPU) next to `torch.empty(...).exponential_()` of the same shape.
 """
 from __future__ import annotations
 
@@ -49,16 +38,12 @@ if not CUDA:  # a shared CPU box: oversubscribed intra-op threads are 10x slower
     torch.set_num_threads(int(os.environ.get("SPECDEC_BENCH_THREADS", "1")))
 
 
-def _sync():
-    if CUDA:
-        torch.cuda.synchronize()
-
-
 def _synced(fn):
     """fn, then a wait for the GPU (CUDA)."""
     def call():
         fn()
-        _sync()
+        if CUDA:
+            torch.cuda.synchronize()
     return call
 
 
@@ -101,8 +86,7 @@ def _realign_case(B, C, L):
 
 
 def _realign_bytes(B, C, L):
-    cap = C + 2 * K
-    return B * cap * (2 * L * 8 * 128 * 2 + 2 * max(1, L // 2) * 8 * 64 * 2)
+    return B * (C + 2 * K) * (2 * L * 8 * 128 * 2 + 2 * max(1, L // 2) * 8 * 64 * 2)
 
 
 @pytest.mark.parametrize("impl", REALIGN_IMPLS)
@@ -177,9 +161,7 @@ def test_rejection(benchmark, batch, k, vocab, mode):
 
 
 # ------------------------------------------------------------------------------------------- noise
-# A speculative step's race noise: [B, k+1, V] Exp(1) keyed by (seed, position) (kernels/noise.py), the
-# Philox kernel (CUDA) or its torch reference (CPU), next to `torch.empty(...).exponential_()` of the same
-# shape, the stream-based draw it replaced (`extra_info["impl"]`).
+# A step's race noise [B, k+1, V] (kernels/noise.py) next to `torch.empty(...).exponential_()` of the same shape
 NOISE_BATCHES = (1, 8) if QUICK else (1, 8, 32)
 NOISE_K = (5,)
 NOISE_VOCAB = (4000, 32000) if QUICK else (4000, 32000, 151936)
@@ -205,9 +187,7 @@ def test_noise(benchmark, batch, k, vocab, impl):
 
 
 # ------------------------------------------------------------------------ batch-invariant linear / attention
-# The mode's ops (models/numerics.py) against the ordinary ones on the same inputs: `extra_info["impl"]` is
-# "invariant" (bi_linear / bi_attention: Triton on CUDA, the torch path on CPU) or "ordinary" (F.linear /
-# SDPA). CPU shapes are the default pair's and the synthetic pair's; CUDA shapes a Llama-3-8B layer's.
+# impl "invariant" (bi_linear / bi_attention) or "ordinary" (F.linear / SDPA); CUDA shapes a Llama-3-8B layer's
 from specdec.kernels import bi_attention as bia  # noqa: E402
 from specdec.kernels import bi_matmul as bim  # noqa: E402
 
@@ -273,10 +253,8 @@ def test_bi_attention(benchmark, dtype, batch, T, context, impl):
 
 
 # ------------------------------------------------------------------------------ weight-only quantized matmul
-# kernels/quant_matmul.py at decode / verify row counts (M = B * (k + 1)). `impl`: "kernel" (the Triton
-# kernel: CUDA only), "reference" (dequantize to float32, then matmul), "cpu" (models/quant.py's CPU path,
-# torch's packed weight-only kernels: CPU only), "bf16" (F.linear on a bfloat16 copy of the weight: the
-# float baseline). `weight_gbps`: the quantized weight's bytes (codes + scales + zeros) / time.
+# impl "kernel" (Triton, CUDA), "reference" (dequantize, then matmul), "cpu" (torch's packed weight-only
+# kernels), "bf16" (F.linear on a bfloat16 copy: the float baseline); M = B * (k + 1) rows
 from specdec.kernels import quant_matmul as qmm  # noqa: E402
 from specdec.models.quant import QuantLinear, QuantRows  # noqa: E402
 

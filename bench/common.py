@@ -1,11 +1,5 @@
-"""What every benchmark shares: interleaved repeated timing, medians with spread, markdown tables, the machine's
-metadata, the command line that reproduces a run, argparse's help format and list types (and --quick defaults),
-the benchmarks' prompts, JSONL files, figures and process memory. The benchmark pairs (`pair_dirs`) are
-bench/pairs.py's.
-
-One forward on a prefilled cache (prefill, time, rewind) is the runtime's own `specdec.timing` (auto k
-calibrates with it).
-"""
+"""What every benchmark shares: interleaved timing, spreads, markdown tables, the machine and the command line
+of a run, argparse types, prompts, JSONL files, figures and process memory."""
 from __future__ import annotations
 
 import argparse
@@ -37,6 +31,11 @@ def interleave(calls: dict, repeats: int, warmup: int = 1) -> dict[str, list]:
         for name in names[rep % len(names):] + names[: rep % len(names)]:
             results[name].append(calls[name]())
     return results
+
+
+def log(tag: str, message: str) -> None:
+    """A progress line on stderr: '[tag] message'."""
+    print(f"[{tag}] {message}", file=sys.stderr, flush=True)
 
 
 def stopwatch(fn):
@@ -204,6 +203,11 @@ def write_jsonl(path: str, records) -> None:
     with open(path, "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
+
+
+def write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
 
 
 def read_jsonl(path: str) -> list:

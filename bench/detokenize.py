@@ -1,9 +1,6 @@
-"""Streaming text costs O(new tokens) per step: the step time of one streamed request at output token 100
-and at token 2,000, with the text detokenized every step (what the server does) and without
-(`stream_text=False`, what `generate` does), interleaved, on the embedded pair.
-
-The embedded target's config allows 256 positions; for this timing its limit is raised on the loaded model
-object (the tokens past 256 are of no quality, and need none: only the cost is measured).
+"""Streaming text costs O(new tokens) per step: one streamed request's step time at an early output token and
+near the end, text detokenized every step (the server) and not (`generate`), interleaved, on the embedded
+target (its 256-position limit raised on the loaded object: only the cost is measured).
 
     python -m bench.detokenize --tokens 2000 --repeats 3
 """

@@ -1,34 +1,12 @@
-"""Scale-out on Ray, measured: 2 replicas x 1 torch thread vs 1 process x 2 torch threads, and what Ray costs
-to start.
+"""Scale-out on Ray: 2 replicas x 1 torch thread (`specdec.distributed.stream_job`, what `specdec.run --ray`
+runs) against 1 process x 2 torch threads on the same prompts, and what Ray costs to start, repeated back to
+back (docs/benchmarks/ray.md). Prints markdown tables; --out also writes the raw measurements as JSON.
 
-Both sides decode the same prompts with the same settings (greedy, `ignore_eos`, a fixed number of new
-tokens: both generate exactly the same number of tokens), on the embedded default pair unless --target /
---draft say otherwise:
-
-- single: one `LLM` in this process with 2 torch threads; model load and `generate` timed apart.
-- ray:    a fresh local Ray instance (2 CPUs, no dashboard), then `specdec.distributed.stream_job` (what
-          `python -m specdec.run --ray` runs) with 2 replicas of 1 CPU and 1 torch thread each. The job's
-          wall time includes the replicas' start-up (a process each: imports, model load) and Ray Data's.
-- empty:  the same Ray job on 2 prompts x 1 new token (a block for each replica), right before it: what a
-          job costs before it decodes.
-
-One repeat = ray.init (timed), the empty job, the ray job, ray.shutdown, then the single-process run;
---repeats of them back to back, so machine load hits both sides alike. Reported: medians with min-max of
-
-- tokens/s: single (generate only, and load + generate), ray end to end (job wall), and ray while
-  decoding: tokens / (the replicas' summed time inside `generate` / 2), i.e. without start-up and hand-overs;
-- the ratios ray / single, computed per repeat (side by side) and then the median;
-- Ray start-up: ray.init of a local instance; the empty job's wall; the ray job's first block;
-- the share of requests whose tokens equal the single run's (float32: block composition differs, so
-  near-tied logits may flip; float64 is exact, see tests/test_distributed.py).
-
-    python -m bench.distributed                                  # default pair, 64 prompts x 64 tokens, 3 repeats
-    python -m bench.distributed --num-prompts 128 --repeats 5 --out /tmp/distributed.json
+    python -m bench.distributed --num-prompts 64 --repeats 3
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -36,7 +14,7 @@ import time
 
 import torch
 
-from bench.common import HelpFormatter, command_line, fmt_spread, machine_line, md_table
+from bench.common import HelpFormatter, command_line, fmt_spread, machine_line, md_table, write_json
 from specdec import LLM, SamplingParams, distributed
 from specdec.prompts import DEFAULT_DRAFT, DEFAULT_PROMPTS, DEFAULT_TARGET, read_prompts
 
@@ -154,9 +132,8 @@ def main(argv=None) -> int:
         ("single process: LLM load", "single_load_s", "{:.2f}")))))
     print(f"\nrequests with the same tokens as the single run: {fmt_spread(col('same_tokens'), '{:.0%}')}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"command": command, "args": vars(args), "load": [load_before, load_after],
-                       "repeats": repeats}, f, indent=1)
+        write_json(args.out, {"command": command, "args": vars(args), "load": [load_before, load_after],
+                              "repeats": repeats})
     return 0
 
 

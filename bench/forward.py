@@ -1,27 +1,12 @@
-"""Forward pass: our Transformer vs transformers' LlamaForCausalLM on the same checkpoint, side by side.
+"""Forward pass: our Transformer against transformers' LlamaForCausalLM on the same random Llama checkpoint:
+per (batch, new tokens per step), both prefill the same prompts, then decode steps on top of that prefix are
+timed, interleaved, the cache rewound after each (docs/benchmarks/forward.md). Prints a markdown table.
 
-A random Llama checkpoint (default ~74M parameters: hidden 512, 12 layers, 8 heads, intermediate 1536,
-vocab 32000) is written to a temp dir with `save_pretrained`, then loaded by both. For every
-(batch, new tokens per step) pair both models prefill the same prompts (`--prefill` tokens per row) into
-a cache, then time decode steps of T new tokens on top of that prefix:
-
-- ours: a preallocated `KVCache` of `--capacity` columns; after each timed step `cache.length` is put
-  back (O(1)), so every step sees the same prefix length;
-- HF: a `DynamicCache` passed as `cache=` (transformers 5's name for `past_key_values`) the normal way;
-  after each timed step it is cropped back to the prefix (`DynamicCache.crop`, outside the timed region).
-
-Both compute logits for all T positions (HF's default). Repetitions of ours and HF are interleaved (the
-order alternates each repetition; specdec.timing.PrefilledCache times ours) so drift in machine load hits both;
-the median time per step is reported, with `speedup = HF / ours` (> 1: ours is faster). The first step's logits
-of both are compared as a sanity check (`max|dlogit|`).
-
-    python -m bench.forward --threads 2 --repeats 30
     python -m bench.forward --quick          # tiny model, a smoke test that the script runs
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,7 +14,7 @@ import tempfile
 
 import torch
 
-from bench.common import HelpFormatter, command_line, interleave, machine, machine_line, md_table
+from bench.common import HelpFormatter, command_line, interleave, machine, machine_line, md_table, write_json
 from specdec.models import load_model
 from specdec.timing import PrefilledCache
 
@@ -40,15 +25,11 @@ QUICK_MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description="Time one decode step of our Transformer vs transformers' forward (same random Llama "
-                    "checkpoint, same cache prefix, interleaved repetitions); prints a markdown table.",
-        formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1),
                    help="torch intra-op CPU threads (torch.set_num_threads) used by both models")
     p.add_argument("--repeats", type=int, default=30,
                    help="timed steps per (batch, new tokens) pair and model; the median is reported")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per pair and model before timing")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
                    help="weights, activations and KV cache dtype of both models")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes (rows per step)")
@@ -56,26 +37,24 @@ def parse_args(argv=None):
                    help="new tokens per row per step (1 = plain decode, k+1 = a speculative verify)")
     p.add_argument("--prefill", type=int, default=200, help="prompt tokens per row cached before the timed steps")
     p.add_argument("--capacity", type=int, default=256, help="columns of our preallocated KV cache")
-    p.add_argument("--layout", default="ragged", choices=["ragged", "left"], help="our cache layout")
     p.add_argument("--device", default="cpu", help="torch device for both models")
     p.add_argument("--out", default=None, help="also write the settings, header and rows to this JSON file")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: a tiny 2-layer model, prefill 32, 3 repeats (numbers not meaningful)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and token ids")
     args = p.parse_args(argv)
     if args.quick:
-        args.prefill, args.repeats, args.warmup, args.capacity = 32, 3, 1, 64
+        args.prefill, args.repeats, args.capacity = 32, 3, 64
     if args.prefill + max(args.new_tokens) > args.capacity:
         p.error(f"--prefill {args.prefill} + max --new-tokens {max(args.new_tokens)} exceeds --capacity "
                 f"{args.capacity}")
     return args
 
 
-def build_checkpoint(path: str, quick: bool, seed: int) -> int:
+def build_checkpoint(path: str, quick: bool) -> int:
     """Save a random Llama checkpoint to `path`; returns its parameter count."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     cfg = LlamaConfig(**(QUICK_MODEL if quick else FULL_MODEL), max_position_embeddings=2048,
                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)
@@ -113,21 +92,21 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        n_params = build_checkpoint(tmp, args.quick, args.seed)
+        n_params = build_checkpoint(tmp, args.quick)
         ours_model = load_model(tmp, dtype=args.dtype, device=args.device)
         hf_model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(args.device).eval()
         attn = getattr(hf_model.config, "_attn_implementation", "?")
-        g = torch.Generator().manual_seed(args.seed)
+        g = torch.Generator().manual_seed(0)
         vocab = hf_model.config.vocab_size
         for B in args.batch:
             prompts = torch.randint(3, vocab, (B, args.prefill), generator=g).to(args.device)
             for T in args.new_tokens:
                 new = torch.randint(3, vocab, (B, T), generator=g).to(args.device)
-                ours = PrefilledCache(ours_model, prompts, args.capacity, args.layout)
+                ours = PrefilledCache(ours_model, prompts, args.capacity)
                 hf = HFPrefilled(hf_model, prompts)
                 err = (ours.forward(new).float() - hf.forward(new).float()).abs().max().item()
                 times = interleave({"ours": lambda: ours.time(new), "hf": lambda: hf.time(new)}, args.repeats,
-                                   args.warmup)
+                                   warmup=1 if args.quick else 3)
                 t_ours, t_hf = statistics.median(times["ours"]), statistics.median(times["hf"])
                 rows.append(dict(batch=B, new_tokens=T, prefix=args.prefill, ours_ms=1e3 * t_ours,
                                  hf_ms=1e3 * t_hf, ratio_ours_over_hf=t_ours / t_hf, speedup=t_hf / t_ours,
@@ -135,8 +114,7 @@ def main(argv=None):
                 print(f"B={B} T={T}: ours {1e3 * t_ours:.2f} ms, HF {1e3 * t_hf:.2f} ms", file=sys.stderr)
 
     header = (f"`{command_line('bench.forward', argv)}`: Llama {n_params / 1e6:.1f}M params, {args.dtype}, device "
-              f"{args.device}, prefix {args.prefill} tokens, our cache {args.capacity} columns ({args.layout} "
-              f"layout), HF attn_implementation={attn}, median of {args.repeats}; transformers "
+              f"{args.device}, prefix {args.prefill} tokens, our cache {args.capacity} columns, HF attn_implementation={attn}, median of {args.repeats}; transformers "
               f"{__import__('transformers').__version__}; {machine_line(started)}")
     print(header + "\n")
     print(md_table(["batch", "new tokens/row", "ours ms/step", "HF ms/step", "ours/HF", "speedup (HF/ours)",
@@ -146,8 +124,7 @@ def main(argv=None):
                     for r in rows), right=range(7)))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(dict(settings=vars(args), params=n_params, header=header, rows=rows), f, indent=2)
+        write_json(args.out, dict(settings=vars(args), params=n_params, header=header, rows=rows))
     return rows
 
 

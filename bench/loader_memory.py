@@ -1,21 +1,9 @@
-"""Peak memory of `load_model`: the loader now (fused buffers filled in place, one staging chunk) against the
-loader of an earlier revision, by default 5fd8984, the last one before issue 12 (`git show REV:models/...`:
-it converted every tensor, then fused q/k/v and gate/up with torch.cat).
+"""Peak memory of `load_model`: this tree's loader against an earlier revision's (--before), on a random
+checkpoint of a real model's shape, or this tree's loader on a GGUF file (--gguf). Every measurement runs in
+a fresh subprocess, interleaved, reporting peak RSS after import, after loading and after reading every weight
+(docs/benchmarks/loader-memory.md). The driver never imports torch: a child inherits its parent's peak RSS.
 
-    python bench/loader_memory.py --shape qwen3-0.6b --dir /tmp/loader-mem [--keep]
-
-builds a random checkpoint of that shape with safetensors' file format written tensor by tensor (no model
-in memory), then loads it in a fresh subprocess per (loader, dtype, repeat), interleaved. Each subprocess
-reports `ru_maxrss` after importing (baseline), after `load_model` returned, and after reading every weight
-once (what the model costs when it runs: the zero-copy bf16 weights are memory-mapped and only become
-resident when read). The driver never imports torch and builds the checkpoint in a subprocess too: on
-Linux a child inherits its parent's peak RSS through fork, so a large driver would hide the children's.
-Model bytes = the bytes of the loaded parameters. The checkpoint is deleted at the end unless --keep.
-
-    python bench/loader_memory.py --gguf .cache/real_model/SmolLM2-135M-Instruct.Q4_1.gguf
-
-measures this tree's loader on a GGUF file instead (dequantized tensor by tensor into the final dtype; the
-file's pages count too, as they are read through a memory map); nothing is built or deleted.
+    python -m bench.loader_memory --shape qwen3-0.6b --repeats 2
 """
 from __future__ import annotations
 
@@ -29,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from bench.common import REPO, HelpFormatter, command_line, md_table
 
 SHAPES = {  # Qwen3 dense checkpoints (config.json of the Hugging Face releases)
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -87,9 +77,8 @@ def head_loader_package(root: str, revision: str) -> str:
     """`revision`'s models/ as package `models_head` under `root` (forward-only imports stubbed out)."""
     package = os.path.join(root, "models_head")
     os.makedirs(package, exist_ok=True)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for name in BEFORE_MODULES:
-        text = subprocess.run(["git", "show", f"{revision}:models/{name}.py"], cwd=repo, capture_output=True, text=True,
+        text = subprocess.run(["git", "show", f"{revision}:models/{name}.py"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout
         text = text.replace("from specdec.kernels.kv_append import kv_append", "kv_append = None")
         text = text.replace("from specdec.kernels.positions import StepPlan, step_plan", "StepPlan = step_plan = None")
@@ -130,11 +119,12 @@ def measure(loader: str, directory: str, dtype: str) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
-    p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "specdec-loader-memory"))
-    p.add_argument("--dtypes", default="bfloat16,float32")
-    p.add_argument("--repeats", type=int, default=2)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="the random checkpoint's shape")
+    p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "specdec-loader-memory"),
+                   help="where the checkpoint is built")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated load dtypes")
+    p.add_argument("--repeats", type=int, default=2, help="measurements per (loader, dtype), interleaved")
     p.add_argument("--loaders", default="head,now", help="head = the loader of --before, now = this tree's, "
                    "check = this tree's with check_weights=True (the NaN/inf scan, timed)")
     p.add_argument("--before", default="5fd8984", help="git revision whose loader is 'head'")
@@ -152,7 +142,7 @@ def main() -> None:
         print(build_checkpoint(*args.build))
         return
 
-    print("command: python " + " ".join(sys.argv))
+    print("command: " + command_line("bench.loader_memory"))
     print(f"load average before: {os.getloadavg()}")
     if args.gguf:
         if not os.path.isfile(args.gguf):
@@ -168,10 +158,10 @@ def main() -> None:
     if args.gguf or (args.reuse and os.path.exists(file)):
         build = [sys.executable, "-c", f"import os; print(os.path.getsize({file!r}))"]
     else:
-        build = [sys.executable, __file__, "--build", ckpt, args.shape]
+        build = [sys.executable, "-m", "bench.loader_memory", "--build", ckpt, args.shape]
     # in a subprocess, like every measurement: Linux carries a process's peak RSS (ru_maxrss) into the children
     # it forks, so this driver must stay small (it never imports torch)
-    size = int(subprocess.run(build, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    size = int(subprocess.run(build, cwd=REPO, capture_output=True, text=True, check=True).stdout.split()[-1])
     print(f"{'using' if args.gguf else 'built'} {ckpt}: {os.path.basename(file)} {size / 2**30:.2f} GiB in "
           f"{time.perf_counter() - t0:.0f} s")
     pkg_root = (os.path.join(args.dir, "head") if args.gguf else
@@ -182,8 +172,8 @@ def main() -> None:
         for repeat in range(args.repeats):
             for dtype in args.dtypes.split(","):
                 for loader in args.loaders.split(","):  # interleaved
-                    out = subprocess.run([sys.executable, __file__, "--measure", loader, ckpt, dtype], env=env,
-                                         capture_output=True, text=True, check=True).stdout
+                    out = subprocess.run([sys.executable, "-m", "bench.loader_memory", "--measure", loader, ckpt, dtype],
+                                         env=env, cwd=REPO, capture_output=True, text=True, check=True).stdout
                     r = json.loads(out.strip().splitlines()[-1])
                     results.append(r)
                     scan = f", of which the NaN/inf scan {r['check_s']:.2f} s" if r["check_s"] is not None else ""
@@ -194,22 +184,19 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(args.dir, ignore_errors=True)
     print(f"\nload average after: {os.getloadavg()}")
-    print("| loader | dtype | model MiB | peak after load − baseline (× model) | peak after reading weights − "
-          "baseline (× model) | load s |")
-    print("|---|---|---|---|---|---|")
-    for dtype in args.dtypes.split(","):
-        for loader in args.loaders.split(","):
-            rs = [r for r in results if r["loader"] == loader and r["dtype"] == dtype]
-            model = rs[0]["model_mib"]
-            load = [r["after_load_mib"] - r["baseline_mib"] for r in rs]
-            touch = [r["after_touch_mib"] - r["baseline_mib"] for r in rs]
-            secs = [r["load_s"] for r in rs]
-            print(f"| {args.before if loader == 'head' else loader} | {dtype} | {model:.0f} | "
-                  f"{statistics.median(load):.0f} ({statistics.median(load) / model:.2f}×, range "
-                  f"{min(load) / model:.2f}–{max(load) / model:.2f}) | {statistics.median(touch):.0f} "
-                  f"({statistics.median(touch) / model:.2f}×, range {min(touch) / model:.2f}–"
-                  f"{max(touch) / model:.2f})"
-                  f" | {statistics.median(secs):.1f} |")
+
+    def growth(rs, key):  # peak at `key` less the baseline: median MiB (x model, range)
+        mib, model = [r[key] - r["baseline_mib"] for r in rs], rs[0]["model_mib"]
+        return (f"{statistics.median(mib):.0f} ({statistics.median(mib) / model:.2f}×, range {min(mib) / model:.2f}–"
+                f"{max(mib) / model:.2f})")
+
+    groups = {(loader, dtype): [r for r in results if r["loader"] == loader and r["dtype"] == dtype]
+              for dtype in args.dtypes.split(",") for loader in args.loaders.split(",")}
+    print(md_table(["loader", "dtype", "model MiB", "peak after load − baseline (× model)",
+                    "peak after reading weights − baseline (× model)", "load s"],
+                   ([args.before if loader == "head" else loader, dtype, f"{rs[0]['model_mib']:.0f}",
+                     growth(rs, "after_load_mib"), growth(rs, "after_touch_mib"),
+                     f"{statistics.median(r['load_s'] for r in rs):.1f}"] for (loader, dtype), rs in groups.items())))
     for dtype in args.dtypes.split(","):
         sums = {r["loader"]: f"{r['checksum']:.6g}" for r in results if r["dtype"] == dtype}
         print(f"sum of all weights, {dtype}: {sums}")

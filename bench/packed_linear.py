@@ -1,11 +1,8 @@
-"""Packed float32 linear weights on the CPU (`LLM(packed_weights=...)`, models/numerics.py): what they buy.
+"""Packed float32 linear weights on the CPU (`LLM(packed_weights=...)`): one linear layer, `F.linear` against
+oneDNN on a weight packed once, and the default target's forward with packing off and on, interleaved
+(docs/benchmarks/packed-weights.md). Prints markdown tables.
 
     python -m bench.packed_linear --threads 2 --repeats 300
-
-Part 1, one linear layer (K x N, default the default pair's 384 x 1536 gate/up projection): median time of
-`F.linear` (MKL) against oneDNN's `_linear_pointwise` on a weight packed once, for M = 1..48 rows, the two
-interleaved call by call. Part 2, the default pair's target: median time of one forward of T new tokens
-per row after a 64-token prefix, B = 1 and 8, packing off and on interleaved. Prints Markdown tables.
 """
 from __future__ import annotations
 

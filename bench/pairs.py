@@ -1,27 +1,14 @@
-"""Benchmark model pairs: a synthetic target/draft pair whose *cost* resembles a 7B target with a 68M draft.
+"""Benchmark pairs: the embedded default pair, and a synthetic target/draft pair whose *cost* resembles a 7B
+target with a 68M draft: a deep random Llama (~113M parameters) whose layers above the first are damped, and
+as its draft its own first layer (docs/benchmarks/throughput.md). Built with transformers where installed,
+else by hand with torch + safetensors; reused from its cache folder while `pair.json` there records the recipe.
 
-On the CPU a tiny target makes speculation slower than plain batched AR (a draft forward costs about as
-much as a target forward: both are dominated by per-call overhead). The synthetic pair fixes that:
-
-- target: a deep random Llama (default hidden 768, 16 layers, 12 heads, 4 KV heads, intermediate 2048,
-  vocab 8000: ~113M parameters), initialised with a larger std than HF's default (0.02) so that its logits
-  are peaked, then with the output projections (`o_proj`, `down_proj`) of every layer above the draft's
-  layers scaled by `damping`: the upper layers only nudge the residual stream;
-- draft: the target's own embedding + first `draft_layers` layer(s) + final norm + head, saved as a real
-  HF checkpoint directory (`num_hidden_layers = draft_layers`, the same weight values).
-
-So the target still pays for every layer, the draft costs a small fraction of it, and the two disagree
-just often enough: `damping` sets the greedy acceptance (default tuned for ~60-80% at k = 5, float32).
-
-Built with `transformers` (LlamaConfig + LlamaForCausalLM + save_pretrained), a bench/test-only
-dependency; where it is not installed (e.g. a bare GPU machine) the same recipe is written by hand with
-torch + safetensors. Reused from its cache folder when `pair.json` there records the same recipe.
-
-    python -m bench.pairs --out bench/results/pair          # build (or reuse) and print the recipe
+    python -m bench.pairs          # build (or reuse) the pair, print its recipe and target/draft cost ratio
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -69,14 +56,6 @@ def _llama_config(spec: SyntheticPairSpec, num_layers: int):
         vocab_size=spec.vocab_size, max_position_embeddings=spec.max_position_embeddings,
         initializer_range=spec.init_std, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=None, pad_token_id=None, architectures=["LlamaForCausalLM"])
-
-
-def _have_transformers() -> bool:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _damp(layers, spec: SyntheticPairSpec) -> None:
@@ -144,9 +123,7 @@ def _build_without_transformers(spec: SyntheticPairSpec, target_dir: str, draft_
 
 def build_synthetic_pair(out_dir: str, spec: SyntheticPairSpec = SyntheticPairSpec(), force: bool = False,
                          verbose: bool = True) -> tuple[str, str]:
-    """Write (or reuse) `out_dir/target` and `out_dir/draft`; returns their paths.
-
-    Built with transformers when it is installed, else by hand (same recipe and key names)."""
+    """Write (or reuse) `out_dir/target` and `out_dir/draft`; returns their paths."""
     target_dir, draft_dir = os.path.join(out_dir, "target"), os.path.join(out_dir, "draft")
     recipe_path = os.path.join(out_dir, "pair.json")
     recipe = {"kind": "synthetic-damped-llama", "spec": asdict(spec)}
@@ -161,7 +138,7 @@ def build_synthetic_pair(out_dir: str, spec: SyntheticPairSpec = SyntheticPairSp
 
     t0 = time.perf_counter()
     os.makedirs(out_dir, exist_ok=True)
-    use_hf = _have_transformers()
+    use_hf = importlib.util.find_spec("transformers") is not None
     build = _build_with_transformers if use_hf else _build_without_transformers
     n_target, n_draft = build(spec, target_dir, draft_dir)
     recipe.update(builder="transformers" if use_hf else "torch+safetensors", target_params=n_target,
@@ -224,19 +201,12 @@ def main(argv=None):
                                             "recipe and target/draft cost ratio.")
     p.add_argument("--out", default=DEFAULT_PAIR_DIR, help="folder for target/ draft/ and pair.json")
     p.add_argument("--quick", action="store_true", help="tiny pair for smoke tests")
-    p.add_argument("--damping", type=float, default=None, help="override the upper-layer output damping")
-    p.add_argument("--init-std", type=float, default=None, help="override the init std")
-    p.add_argument("--draft-layers", type=int, default=None, help="override the number of draft layers")
     p.add_argument("--force", action="store_true", help="rebuild even when a matching pair is cached")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the cost measurement")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = SyntheticPairSpec.quick() if args.quick else SyntheticPairSpec()
-    over = {k: v for k, v in (("damping", args.damping), ("init_std", args.init_std),
-                              ("draft_layers", args.draft_layers)) if v is not None}
-    if over:
-        spec = SyntheticPairSpec(**{**asdict(spec), **over})
     target_dir, draft_dir = build_synthetic_pair(args.out, spec, force=args.force)
     from specdec.models import load_model
 

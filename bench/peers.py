@@ -1,47 +1,14 @@
-"""specdec against what a user would pick instead: transformers' batched `generate` and its assisted generation.
+"""specdec's methods against transformers' batched `generate` and assisted generation, side by side: same
+prompts, exactly N new tokens each, greedy, same dtype and threads, every method warmed up and then timed
+--repeats times interleaved. Methods, pairs and how to read the table: docs/benchmarks/against-transformers.md.
+Writes peers.jsonl, peers.md (also printed) and peers-<pair>.png to --out (default bench/results/peers).
 
-The same prompts and the same number of new tokens go through every method, side by side in one run:
-
-- specdec: `ar`, `eqspec`, `ragged`, `exspec`, each with k = "auto" (chosen every step) and a fixed k, plus
-  `compile=True` variants (`LABEL+compile`);
-- transformers: `hf-ar`, batched greedy `generate` (left-padded, `pad_token_id` set, `do_sample=False`) at
-  every batch size, and `hf-assisted:K` / `hf-assisted:default`, assisted generation (`assistant_model=`,
-  batch 1 only) with K assistant tokens on a constant schedule (confidence stopping off), or with
-  transformers' defaults (20 tokens, drafting stops early when the assistant's confidence falls below
-  0.4, a threshold that transformers re-fits from its ROC curve when scikit-learn is installed).
-
-Every row gets exactly N new tokens: `ignore_eos=True` for specdec; `min_new_tokens = max_new_tokens = N`
-and no EOS id (so nothing stops and nothing is suppressed) for transformers. Same dtype, same threads
-(`torch.set_num_threads`). Per pair and dtype, for each batch size in turn, each method is warmed up
-(untimed: first-call allocations, auto-k's cost calibration, torch.compile's compilation, timed separately
-as "warm-up s"), then all methods run `--repeats` times, interleaved, the order rotating every repeat.
-Reported: tokens/s (N x prompts / wall time of the whole call, prefill included), median and min-max over
-the repeats; the speed-up over `hf-ar` at the same batch size (median of the per-repeat ratios, each
-measured side by side); and greedy exact-match against transformers' greedy output at batch 1 (token ids
-per prompt; `hf-ar` at larger batches gets its own rate: left padding may change its float32/bf16 results).
-
-Pairs: `default` (the embedded specdec/assets/default_pair), `synthetic` (bench/pairs.py: a 113M-parameter
-16-layer damped random Llama with its own first layer as the draft, the cost shape of a 7B/68M pair) and
-`tiny` (the same recipe at toy size, for --quick); or `--target CHECKPOINT` (an HF directory or a `.gguf`
-file, e.g. the real SmolLM2-135M-Instruct) with an optional `--draft` (without one, only `ar`/`hf-ar`/
-`ar+compile` run): the pair is then called `target`.
-
-The roofline: AR rows (`ar`, `hf-ar`) also report the weight bytes they stream per second (every step reads
-every weight once: tokens/s / B x the model's weight bytes, the embedding counted only where it is the tied
-head) and that as a fraction of the machine's read bandwidth, measured by bench/bandwidth.py before and
-after each configuration in the same run. Outputs in --out: peers.jsonl (a `meta` line, then one
-line per pair x dtype x method x batch size), peers.md (also printed) and peers-<pair>.png.
-
-    python -m bench.peers --threads 1 --repeats 3                     # both pairs, float32 + bfloat16
-    python -m bench.peers --pairs default --dtypes float32 --prompts /work/shared/data/spec_bench/question.jsonl
-    python -m bench.peers --num-prompts 16,synthetic/bfloat16=4 --max-tokens 64,synthetic=32
     python -m bench.peers --quick                                     # smoke test: tiny pair, seconds
-    python -m bench.peers --target .cache/real_model/SmolLM2-135M-Instruct.Q4_1.gguf --methods hf-ar,ar \
-        --batch-sizes 1,8 --num-prompts 8 --max-tokens 32
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -53,9 +20,8 @@ import torch
 
 from bench.bandwidth import read_bandwidth
 from bench.common import (REPO, HelpFormatter, checkpoint_tokenizer, comma_ints, comma_list, command_line,
-                          evenly_spaced, file_sha256, fmt_spread, k_text, lengths_text, machine, md_table,
-                          parse_with_quick, prompt_ids, read_jsonl, save_figure, shown, spread,
-                          write_jsonl)
+                          evenly_spaced, file_sha256, fmt_spread, interleave, k_text, lengths_text, machine,
+                          md_table, parse_with_quick, prompt_ids, read_jsonl, save_figure, shown, spread, write_jsonl)
 from bench.pairs import DEFAULT_PAIR_DIR, pair_dirs
 from specdec import LLM, METHODS, SamplingParams
 from specdec.drafts import shipped_draft
@@ -71,22 +37,19 @@ DEFAULT_METHODS = ("hf-ar,hf-assisted:5,hf-assisted:default,ar,eqspec:auto,eqspe
                    "exspec:auto,exspec:5,ar+compile,eqspec:auto+compile")
 QUICK = dict(pairs="tiny", dtypes="float32", batch_sizes="1,2", num_prompts="2", max_tokens="6", repeats=1,
              methods="hf-ar,hf-assisted:5,ar,eqspec:auto,ragged:3")
-DRAFTERS = ("ngram", "suffix", "draft+ngram", "draft+suffix")  # '@DRAFTER' of a specdec method
 AUTO_K_MAX = 8  # LLM's default max_speculative_tokens: what "auto" may propose (sizes the context check)
 
 
 # ---------------------------------------------------------------------------------------------- methods
 @dataclass(frozen=True)
 class Variant:
-    """One compared method: `engine` "specdec" (method ar/eqspec/ragged/exspec) or "hf" (method ar/assisted)."""
+    """One compared method: `engine` "specdec" (method ar/eqspec/ragged/exspec) or "hf" (ar/assisted/lookup)."""
 
     label: str
     engine: str
     method: str
-    k: int | str | None = None  # specdec: int or "auto"; hf-assisted: int or "default"
+    k: int | str | None = None  # specdec: int or "auto"; hf-assisted: int or "default"; hf-lookup: int
     compile: bool = False
-    drafter: str | None = None  # specdec: "ngram" / "suffix" (no model), "draft+ngram" / "draft+suffix" (a lookup
-    # beside the pair's draft); None: the pair's draft
 
     def runs_at(self, batch_size: int) -> bool:
         return not (self.engine == "hf" and self.method in ("assisted", "lookup") and batch_size != 1)
@@ -97,43 +60,26 @@ class Variant:
 
 
 def parse_variant(label: str) -> Variant:
-    """'hf-ar', 'hf-assisted:5', 'hf-assisted:default', 'ar', 'ragged' (= ragged:auto), 'ragged:5',
-    'eqspec:auto+compile', 'ar+compile', and a drafter after '@': 'ragged:auto@ngram', 'eqspec:5@suffix',
-    'eqspec:auto@draft+suffix' (the pair's draft with a lookup beside it). Raises ValueError naming the label."""
-    text, _, drafter = label.strip().partition("@")
-    if drafter:
-        variant = parse_variant(text)
-        if variant.engine != "specdec" or variant.method == "ar" or drafter not in DRAFTERS:
-            raise ValueError(f"--methods {label!r}: '@' follows a speculative specdec method and names one of "
-                             f"{', '.join(DRAFTERS)}")
-        return Variant(f"{variant.label}@{drafter}", "specdec", variant.method, variant.k, variant.compile, drafter)
+    """'hf-ar', 'hf-assisted:5', 'hf-assisted:default', 'hf-lookup:3', 'ar', 'ragged' (= ragged:auto),
+    'ragged:5', 'eqspec:auto+compile', 'ar+compile'. Raises ValueError naming the label."""
+    text = label.strip()
     compiled = text.endswith("+compile")
-    base = text[: -len("+compile")] if compiled else text
-    name, _, k = base.partition(":")
+    name, _, k = text.removesuffix("+compile").partition(":")
+    count = int(k) if k.isdigit() and int(k) >= 1 else None
     if name == "hf-ar" and not k and not compiled:
         return Variant("hf-ar", "hf", "ar")
-    if name == "hf-lookup" and not compiled:
-        if k.isdigit() and int(k) >= 1:
-            return Variant(f"hf-lookup:{int(k)}", "hf", "lookup", int(k))
-        raise ValueError(f"--methods {label!r}: hf-lookup takes ':N' (prompt_lookup_num_tokens, an integer >= 1)")
-    if name == "hf-assisted" and not compiled:
-        if k == "default":
-            return Variant("hf-assisted:default", "hf", "assisted", "default")
-        if k.isdigit() and int(k) >= 1:
-            return Variant(f"hf-assisted:{int(k)}", "hf", "assisted", int(k))
-        raise ValueError(f"--methods {label!r}: hf-assisted takes ':K' (an integer >= 1) or ':default'")
-    if name not in METHODS:
-        raise ValueError(f"--methods {label!r}: unknown method; choose from hf-ar, hf-assisted:K, "
-                         f"hf-assisted:default, hf-lookup:N, {', '.join(METHODS)} (with ':K' or ':auto', and '+compile')")
-    if name == "ar":
-        if k:
-            raise ValueError(f"--methods {label!r}: ar takes no k")
+    if name == "hf-lookup" and count and not compiled:
+        return Variant(f"hf-lookup:{count}", "hf", "lookup", count)
+    if name == "hf-assisted" and (count or k == "default") and not compiled:
+        return Variant(f"hf-assisted:{k if k == 'default' else count}", "hf", "assisted", count or k)
+    if name == "ar" and not k:
         return Variant("ar+compile" if compiled else "ar", "specdec", "ar", None, compiled)
-    k = k or "auto"
-    if k != "auto" and not (k.isdigit() and int(k) >= 1):
-        raise ValueError(f"--methods {label!r}: k must be 'auto' or an integer >= 1")
-    k = k if k == "auto" else int(k)
-    return Variant(f"{name}:{k}" + ("+compile" if compiled else ""), "specdec", name, k, compiled)
+    if name in METHODS and name != "ar" and (count or k in ("", "auto")):
+        k = count or "auto"
+        return Variant(f"{name}:{k}" + ("+compile" if compiled else ""), "specdec", name, k, compiled)
+    raise ValueError(f"--methods {label!r}: choose from hf-ar, hf-assisted:K, hf-assisted:default, hf-lookup:N, ar, "
+                     f"{', '.join(m for m in METHODS if m != 'ar')} (with ':K' or ':auto'), each but hf-* with "
+                     f"'+compile'")
 
 
 def per_config(text: str, flag: str, pairs, dtypes) -> dict[tuple[str, str], int]:
@@ -160,58 +106,38 @@ def per_config(text: str, flag: str, pairs, dtypes) -> dict[tuple[str, str], int
 
 # ---------------------------------------------------------------------------------------------- arguments
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description="specdec's methods against transformers' batched generate and assisted generation: same "
-                    "prompts, exactly N new tokens each, greedy, interleaved and repeated. Writes peers.jsonl, "
-                    "peers.md (printed) and peers-<pair>.png to --out.",
-        formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--pairs", type=comma_list(PAIRS), default="default,synthetic",
-                   help=f"comma-separated pairs from {', '.join(PAIRS)} ('default': the embedded pair; 'synthetic': "
-                        f"bench/pairs.py's 113M/19M pair; 'tiny': its toy version)")
-    p.add_argument("--pair-dir", default=None,
-                   help="cache folder for the synthetic/tiny pairs (built once, reused while the recipe matches); "
-                        f"each goes to PAIR_DIR/<pair>. Default: {os.path.relpath(DEFAULT_PAIR_DIR, REPO)} and "
-                        f"{os.path.relpath(DEFAULT_PAIR_DIR, REPO)}-tiny, shared with bench/throughput.py")
-    p.add_argument("--target", default=None,
-                   help="benchmark this checkpoint (an HF directory or a .gguf file) instead of --pairs; the pair "
-                        "is called 'target'")
-    p.add_argument("--draft", default=None,
-                   help="with --target: the draft checkpoint (directory or .gguf, or a feature-draft directory); "
-                        "default: the draft specdec ships for that target if there is one (SmolLM2-135M-Instruct), "
-                        "else only ar, hf-ar, hf-lookup and ar+compile can run")
+                   help=f"comma-separated, of {', '.join(PAIRS)} (bench/pairs.py; 'target': --target)")
+    p.add_argument("--pair-dir", default=None, help="cache folder of the synthetic/tiny pairs, one sub-folder each "
+                   f"(default: {shown(DEFAULT_PAIR_DIR)}[-tiny], shared with bench/throughput.py)")
+    p.add_argument("--target", default=None, help="benchmark this checkpoint (HF directory or .gguf) as the pair "
+                   "'target' instead of --pairs")
+    p.add_argument("--draft", default=None, help="with --target: its draft (default: the draft specdec ships for it, "
+                   "if any; without one only ar, hf-ar, hf-lookup and ar+compile run)")
     p.add_argument("--dtypes", type=comma_list(DTYPES), default="float32,bfloat16", help="comma-separated model dtypes")
     p.add_argument("--batch-sizes", type=comma_ints, default="1,8,16", help="comma-separated batch sizes")
     p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma-separated: hf-ar, hf-assisted:K (constant K assistant tokens, confidence stopping "
-                        "off), hf-assisted:default (transformers' defaults), hf-lookup:N (prompt-lookup decoding, "
-                        "prompt_lookup_num_tokens=N: no draft model), and specdec's ar/eqspec/ragged/exspec "
-                        "with ':auto' or ':K' (bare = auto), '+compile' for LLM(compile=True)")
-    p.add_argument("--chat", action="store_true",
-                   help="wrap each prompt in the target's chat template as a user turn (a chat model's real input)")
-    p.add_argument("--prompts", default=None,
-                   help="prompt file (.jsonl: SpecBench 'turns' (first turn) or 'prompt'; .txt: one per line). "
-                        f"Default: {os.path.relpath(DEFAULT_PROMPTS, REPO)}. Prompts are taken evenly spaced; "
-                        "pairs without a tokenizer read them as UTF-8 bytes (id = byte + 3)")
-    p.add_argument("--num-prompts", default="16",
-                   help="prompts per run: one integer, or per pair / pair and dtype, the most specific winning, "
-                        "e.g. '16,synthetic/bfloat16=4'")
-    p.add_argument("--max-tokens", default="64",
-                   help="new tokens per prompt (exactly this many for every method): one integer, or per pair / "
-                        "pair and dtype like --num-prompts, e.g. '64,synthetic=32'")
-    p.add_argument("--max-prompt-tokens", default="128",
-                   help="truncate longer prompts to this many tokens (and to what the context leaves): one integer, "
-                        "or per pair / pair and dtype like --num-prompts")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads for every method (default: torch's choice)")
+                   help="comma-separated: hf-ar, hf-assisted:K (constant K), hf-assisted:default, hf-lookup:N "
+                        "(prompt lookup), specdec's ar/eqspec/ragged/exspec with ':auto' or ':K' (bare = auto), "
+                        "'+compile' for LLM(compile=True)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the target's chat template")
+    p.add_argument("--prompts", default=None, help=f"prompt file, .jsonl or .txt (default: {shown(DEFAULT_PROMPTS)}), "
+                   "taken evenly spaced; pairs without a tokenizer read UTF-8 bytes (id = byte + 3)")
+    p.add_argument("--num-prompts", default="16", help="prompts per run: N, or per pair / pair and dtype, the most "
+                   "specific winning, e.g. '16,synthetic/bfloat16=4'")
+    p.add_argument("--max-tokens", default="64", help="new tokens per prompt, every method: N or per pair like "
+                   "--num-prompts")
+    p.add_argument("--max-prompt-tokens", default="128", help="truncate longer prompts (and to what the context "
+                   "leaves): N or per pair like --num-prompts")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for every method")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of every method at every batch size")
-    p.add_argument("--out", default=None, help=f"output folder (default: {os.path.relpath(DEFAULT_OUT, REPO)})")
+    p.add_argument("--out", default=None, help=f"output folder (default: {shown(DEFAULT_OUT)})")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--replot", default=None, metavar="JSONL",
-                   help="run nothing: re-render peers.md and the plots of an earlier run from its peers.jsonl "
-                        "(into --out if given, else next to the file)")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) +
-                        " (explicit flags still win)")
+    p.add_argument("--replot", default=None, metavar="JSONL", help="run nothing: re-render peers.md and the plots "
+                   "of an earlier peers.jsonl (into --out, else next to it)")
+    p.add_argument("--quick", action="store_true", help="smoke test: " + ", ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + " (explicit flags still win)")
     args = parse_with_quick(p, QUICK, argv)
     if args.replot:
         args.out = args.out or os.path.dirname(os.path.abspath(args.replot))
@@ -220,32 +146,26 @@ def parse_args(argv=None):
     try:
         if args.draft and not args.target:
             raise ValueError("--draft needs --target")
+        for flag, path in (("--target", args.target), ("--draft", args.draft), ("--prompts", args.prompts)):
+            if path and not os.path.exists(path):
+                raise ValueError(f"{flag} {path}: no such file or directory")
         if args.target:
-            if not os.path.exists(args.target):
-                raise ValueError(f"--target {args.target}: no such file or directory")
-            if args.draft and not os.path.exists(args.draft):
-                raise ValueError(f"--draft {args.draft}: no such file or directory")
             args.pairs = ["target"]
         if "target" in args.pairs and not args.target:
             raise ValueError("--pairs target needs --target CHECKPOINT")
         args.variants = [parse_variant(m) for m in args.methods.split(",") if m.strip()]
-        if len({v.label for v in args.variants}) != len(args.variants):
-            raise ValueError(f"--methods {args.methods!r}: a method is listed twice")
+        if not args.variants or len({v.label for v in args.variants}) != len(args.variants):
+            raise ValueError(f"--methods {args.methods!r}: empty, or a method listed twice")
         # without --draft, the draft shipped for the target (load_pair finds it once the target is loaded)
         args.needs_draft = ([v.label for v in args.variants if v.speculative and v.method != "lookup"]
                             if args.target and not args.draft else [])
-        args.num_prompts = per_config(str(args.num_prompts), "--num-prompts", args.pairs, args.dtypes)
-        args.max_tokens = per_config(str(args.max_tokens), "--max-tokens", args.pairs, args.dtypes)
-        args.max_prompt_tokens = per_config(str(args.max_prompt_tokens), "--max-prompt-tokens", args.pairs,
-                                            args.dtypes)
-        if args.prompts is not None and not os.path.isfile(args.prompts):
-            raise ValueError(f"--prompts {args.prompts}: no such file")
+        for flag in ("num_prompts", "max_tokens", "max_prompt_tokens"):
+            setattr(args, flag, per_config(str(getattr(args, flag)), "--" + flag.replace("_", "-"), args.pairs,
+                                           args.dtypes))
         if args.repeats < 1 or (args.threads is not None and args.threads < 1):
             raise ValueError("--repeats and --threads must be >= 1")
     except ValueError as err:
         p.error(str(err))
-    if not args.variants:
-        p.error("--methods must not be empty")
     return args
 
 
@@ -259,12 +179,6 @@ def require_transformers():
 
 
 # ---------------------------------------------------------------------------------------------- models
-def pair_paths(name: str, args) -> tuple[str, str | None]:
-    if name == "target":
-        return args.target, args.draft
-    return pair_dirs(name, os.path.join(args.pair_dir, name) if args.pair_dir and name != "default" else None)
-
-
 @dataclass
 class Pair:
     """One pair in one dtype: specdec's eager models (shared by every eager specdec method), transformers' models."""
@@ -284,9 +198,10 @@ class Pair:
 
 
 def load_pair(name: str, dtype: str, args) -> Pair:
-    from transformers import GenerationConfig
-
-    target_dir, draft_dir = pair_paths(name, args)
+    if name == "target":
+        target_dir, draft_dir = args.target, args.draft
+    else:
+        target_dir, draft_dir = pair_dirs(name, os.path.join(args.pair_dir, name) if args.pair_dir else None)
     torch_dtype = getattr(torch, dtype)
     target = load_model(target_dir, dtype=dtype, device="cpu")
     if draft_dir is None and name == "target" and args.needs_draft:
@@ -294,16 +209,16 @@ def load_pair(name: str, dtype: str, args) -> Pair:
         if found is None:
             raise SystemExit(f"bench/peers.py: --methods {', '.join(args.needs_draft)} need a draft: give --draft, "
                              f"or use ar/hf-ar/hf-lookup")
-        draft_dir = args.draft = str(found)  # the next dtype's load_pair reads it from pair_paths
+        draft_dir = args.draft = str(found)  # the next dtype's load_pair reads it
     draft = None if draft_dir is None else load_draft(draft_dir, target, dtype)
     hf_target = hf_load(target_dir, torch_dtype)
     # a feature draft reads our target's hidden states: transformers cannot run it (hf-assisted needs a plain draft)
     hf_draft = None if draft_dir is None or is_feature_draft(draft_dir) else hf_load(draft_dir, torch_dtype)
     pad = hf_target.config.pad_token_id
     pad = 0 if pad is None else int(pad)
-    for m in (hf_target, hf_draft):  # no EOS anywhere: nothing stops early and min_new_tokens suppresses nothing
+    for m in (hf_target, hf_draft):
         if m is not None:
-            m.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=pad, bos_token_id=None)
+            m.generation_config = no_eos_config(pad)
     tokenizer = checkpoint_tokenizer(target_dir)
     max_context = min(m.cfg.max_position_embeddings for m in (target, draft) if m is not None)
     info = {
@@ -375,10 +290,8 @@ def build_prompts(pair: Pair, num_prompts: int, max_tokens: int, args) -> tuple[
 class Run:
     seconds: float
     tokens: list[list[int]]
-    acceptance: float | None = None
-    k_histogram: dict | None = None
-    recalibrated: bool = False
-    tokens_per_step: float | None = None  # speculative: (accepted drafts + steps) / steps, per row
+    metrics: object = None  # a speculative specdec run's RunMetrics
+    recalibrated: bool = False  # auto k re-measured its costs during the run
 
 
 class Runner:
@@ -399,12 +312,7 @@ class Runner:
 
     def _new_llm(self, compile: bool) -> LLM:
         v = self.variant
-        draft, lookup = self.models[1], None
-        if v.drafter in ("ngram", "suffix"):
-            draft = v.drafter
-        elif v.drafter:
-            lookup = v.drafter.split("+")[1]
-        return LLM(target=self.models[0], draft=draft, lookup=lookup, method=v.method,
+        return LLM(target=self.models[0], draft=self.models[1], method=v.method,
                    num_speculative_tokens=5 if v.k is None else v.k, batch_size=1, dtype=self.pair.dtype,
                    device="cpu", window_size=self.window_size, tokenizer=self.pair.tokenizer, compile=compile,
                    check_invariants=False, cost_cache="")
@@ -426,8 +334,7 @@ class Runner:
         return time.perf_counter() - t0
 
     def run(self, prompts, batch_size: int, max_tokens: int) -> Run:
-        v = self.variant
-        if v.engine == "specdec":
+        if self.variant.engine == "specdec":
             return self._specdec(prompts, batch_size, max_tokens)
         return self._hf_generate(prompts, batch_size, max_tokens)
 
@@ -438,26 +345,17 @@ class Runner:
         t0 = time.perf_counter()
         outs = self.llm.generate(prompt_token_ids=prompts, sampling_params=params, batch_size=batch_size)
         seconds = time.perf_counter() - t0
-        tokens = [list(o.token_ids) for o in outs]
-        m = outs.metrics
-        return Run(seconds, _exact_length(tokens, max_tokens, self.variant.label),
-                   m.acceptance_rate if self.variant.speculative else None,
-                   {int(k): n for k, n in m.k_histogram.items()} if self.variant.speculative else None,
-                   key is not None and getattr(chooser, "key", None) != key,
-                   (m.accepted_drafts + m.row_steps) / m.row_steps if self.variant.speculative and m.row_steps
-                   else None)
-
-    def _generation_config(self, max_tokens):
-        from transformers import GenerationConfig
-
-        return GenerationConfig(do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                eos_token_id=None, pad_token_id=self.pair.pad_token_id, bos_token_id=None)
+        tokens = _exact_length([list(o.token_ids) for o in outs], max_tokens, self.variant.label)
+        return Run(seconds, tokens, outs.metrics if self.variant.speculative else None,
+                   key is not None and getattr(chooser, "key", None) != key)
 
     @torch.inference_mode()
     def _hf_generate(self, prompts, batch_size, max_tokens) -> Run:
         """transformers' generate on left-padded batches (hf-ar), or with the draft as its assistant model
         (hf-assisted: batch 1, so no padding)."""
-        config, assistant = self._generation_config(max_tokens), {}
+        config = no_eos_config(self.pair.pad_token_id, do_sample=False, max_new_tokens=max_tokens,
+                               min_new_tokens=max_tokens)
+        assistant = {}
         if self.variant.method == "lookup":
             config.prompt_lookup_num_tokens = self.variant.k
         if self.variant.method == "assisted":
@@ -492,36 +390,30 @@ def left_pad(prompts, pad_id: int):
     return ids, mask
 
 
+def no_eos_config(pad_id: int, **fields):
+    """A GenerationConfig without EOS (nothing stops early, min_new_tokens suppresses nothing)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(eos_token_id=None, pad_token_id=pad_id, bos_token_id=None, **fields)
+
+
 def assistant_config(k, pad_id: int):
     """The assistant's GenerationConfig (transformers reads the schedule from the assistant model): K constant
     tokens with confidence stopping off, or transformers' defaults ("default": every field left unset)."""
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(eos_token_id=None, pad_token_id=pad_id, bos_token_id=None)
-    if k != "default":
-        config.num_assistant_tokens = int(k)
-        config.num_assistant_tokens_schedule = "constant"
-        config.assistant_confidence_threshold = 0.0
-    return config
+    if k == "default":
+        return no_eos_config(pad_id)
+    return no_eos_config(pad_id, num_assistant_tokens=int(k), num_assistant_tokens_schedule="constant",
+                         assistant_confidence_threshold=0.0)
 
 
 def hf_assisted_defaults() -> dict:
     """What `hf-assisted:default` runs with (transformers' global defaults) and whether the threshold adapts."""
     from transformers import GenerationConfig
 
-    try:
-        defaults = GenerationConfig()._get_default_generation_params()
-    except AttributeError:
-        defaults = {}
-    try:
-        import sklearn  # noqa: F401
-        adapts = True
-    except ImportError:
-        adapts = False
-    return {"num_assistant_tokens": defaults.get("num_assistant_tokens"),
-            "num_assistant_tokens_schedule": defaults.get("num_assistant_tokens_schedule"),
-            "assistant_confidence_threshold": defaults.get("assistant_confidence_threshold"),
-            "threshold_refit_with_sklearn": adapts}
+    defaults = getattr(GenerationConfig(), "_get_default_generation_params", dict)()
+    keys = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+    return {**{key: defaults.get(key) for key in keys},
+            "threshold_refit_with_sklearn": importlib.util.find_spec("sklearn") is not None}
 
 
 def near_median(prompts, n: int):
@@ -542,7 +434,6 @@ def bench_pair(pair: Pair, prompts, max_tokens: int, args, progress) -> tuple[li
     load_before = os.getloadavg()
     bandwidth_before = read_bandwidth()
     progress(f"{pair.name}/{pair.dtype}: read bandwidth {bandwidth_before['median']:.1f} GB/s (bench/bandwidth.py)")
-    dynamo_before = _dynamo_stats(args.variants)
     reference, ref_s = hf_reference(pair, prompts, max_tokens)
     progress(f"{pair.name}/{pair.dtype}: transformers' batch-1 reference in {ref_s:.1f}s")
     runners = {}
@@ -558,13 +449,11 @@ def bench_pair(pair: Pair, prompts, max_tokens: int, args, progress) -> tuple[li
         for v in active:  # untimed: allocations, auto k's calibration at this B, compilation
             warmup[v.label] = runners[v.label].warm_up(prompts, B, max_tokens)
             progress(f"{pair.name}/{pair.dtype} B={B}: warmed up {v.label} in {warmup[v.label]:.1f}s")
-        runs: dict[str, list[Run]] = {v.label: [] for v in active}
-        for r in range(args.repeats):
-            order = active[r % len(active):] + active[: r % len(active)]  # rotate: no method always first
-            for v in order:
-                runs[v.label].append(runners[v.label].run(prompts, B, max_tokens))
-            progress(f"{pair.name}/{pair.dtype} B={B}: repeat {r + 1}/{args.repeats} " + ", ".join(
-                f"{v.label} {len(prompts) * max_tokens / runs[v.label][-1].seconds:.0f}" for v in active) + " tok/s")
+        runs = interleave({v.label: lambda v=v: runners[v.label].run(prompts, B, max_tokens) for v in active},
+                          args.repeats, warmup=0)  # the order rotating every repeat
+        progress(f"{pair.name}/{pair.dtype} B={B}: " + ", ".join(
+            f"{v.label} {len(prompts) * max_tokens / statistics.median(r.seconds for r in runs[v.label]):.0f}"
+            for v in active) + " tok/s (median)")
         rows += summarise(pair, B, active, runs, warmup, reference, len(prompts) * max_tokens)
     bandwidth_after = read_bandwidth()
     bandwidth = statistics.median([bandwidth_before["median"], bandwidth_after["median"]])
@@ -576,19 +465,8 @@ def bench_pair(pair: Pair, prompts, max_tokens: int, args, progress) -> tuple[li
             "batch_sizes": [b for b in args.batch_sizes if b <= len(prompts)],
             "num_prompts": len(prompts), "reference_s": ref_s, "loadavg_before": list(load_before),
             "bandwidth_gb_per_s_before": bandwidth_before, "bandwidth_gb_per_s_after": bandwidth_after,
-            "loadavg_after": list(os.getloadavg()),
-            "dynamo_stats": _dynamo_stats(args.variants, dynamo_before)}
+            "loadavg_after": list(os.getloadavg())}
     return rows, info
-
-
-def _dynamo_stats(variants, before: dict | None = None) -> dict | None:
-    """torch.compile's counters (graphs built, ...), where a variant compiles (importing dynamo costs seconds);
-    less `before`: this configuration's share of the process-wide counts (e.g. unique_graphs compiled here)."""
-    if not any(v.compile for v in variants):
-        return None
-    from torch._dynamo.utils import counters
-
-    return {k: v - (before or {}).get(k, 0) for k, v in counters["stats"].items()}
 
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -619,11 +497,12 @@ def summarise(pair: Pair, B: int, active, runs, warmup, reference, total_tokens:
             "same_tokens_every_repeat": all(r.tokens == first for r in rs),
             "warmup_s": warmup[v.label], "recalibrated_runs": sum(r.recalibrated for r in rs),
         }
-        if v.engine == "specdec" and v.speculative:
-            mid = sorted(rs, key=lambda r: r.seconds)[len(rs) // 2]
-            hist = mid.k_histogram or {}
+        m = sorted(rs, key=lambda r: r.seconds)[len(rs) // 2].metrics  # the median run's
+        if m is not None:
+            hist = {int(k): n for k, n in m.k_histogram.items()}
             steps = sum(hist.values())
-            row.update(acceptance_rate=mid.acceptance, tokens_per_step=mid.tokens_per_step,
+            row.update(acceptance_rate=m.acceptance_rate,
+                       tokens_per_step=(m.accepted_drafts + m.row_steps) / m.row_steps if m.row_steps else None,
                        k_histogram={str(k): n for k, n in sorted(hist.items())},
                        mean_k=sum(k * n for k, n in hist.items()) / steps if steps else None)
         rows.append(row)

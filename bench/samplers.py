@@ -1,21 +1,8 @@
-"""Coupled vs rejection sampling (specdec/sampling.py) on one target/draft pair: acceptance, tokens per step
-and tokens/s at each temperature, top-p as given.
+"""Coupled vs rejection sampling (specdec/sampling.py) on one pair: acceptance, tokens per step and tokens/s
+(wall and per CPU-second) per temperature and k, each arm with its own warmed-up LLM, interleaved repeats
+(docs/benchmarks/samplers.md). Prints a markdown table.
 
-Both samplers are exact in distribution. Coupled (every emitted token is the target's race sample with
-noise keyed by (seed, position)) reproduces a seed whatever k, batch or method; rejection sampling
-(Leviathan et al.) accepts more: P(the race samples of p and q agree) <= sum(min(p, q)). This measures what
-the reproducibility costs.
-
-Every request has a seed (seed + i) in both arms; the sampler is forced for all sampling rows
-(`specdec.sampling.coupled` swapped for the run), so the two arms differ only in the sampler. Each arm has
-its own LLM per (temperature, k), built and warmed up first (so with -k auto each chooser learns its own
-arm's acceptance, as a server would); then each repetition runs both arms back to back, the order
-alternating. Medians (min-max) over the repetitions; the load average is printed. Besides wall-clock
-tokens/s, tokens per CPU-second of this process (`time.process_time`, one torch thread by default): on a
-shared, oversubscribed machine it is far less disturbed by other jobs than wall time.
-
-    python -m bench.samplers                       # the shipped pair, 16 prompts x 64 tokens, batch 8
-    python -m bench.samplers --temperatures 0.7,1.0 --top-p 0.9 -k 5 -k auto --repeats 5 --threads 1
+    python -m bench.samplers --temperatures 0.7,1.0 --top-p 0.9 -k 5 --repeats 5 --threads 1
 """
 from __future__ import annotations
 

@@ -1,34 +1,11 @@
 """Serving under load: `python -m specdec.serve` (auto k), the same with `--method ar`, and `transformers serve
---continuous-batching` on the same target, prompts and chat template, side by side (issue 21).
+--continuous-batching` on the same target, SpecBench chat prompts and template, side by side.
 
-`load` (default): Poisson arrivals at each request rate, a bounded number of requests per run (--requests)
-and a bounded time (--max-time: no arrival after it, and whatever is unfinished then is cancelled and
-counted). Every request is a streamed chat completion of one SpecBench question (the first turn,
-`../shared/data/spec_bench/question.jsonl`; questions whose chat prompt leaves fewer than --max-tokens + k_max
-+ 1 positions of the embedded target's 256 are skipped), greedy, --max-tokens at most. The three servers run
-side by side (each in its own process, one thread each by default; only the one under load is busy), warmed
-up first, and the runs interleave: for every repeat and rate, each server in turn, the order rotating; every
-server gets the same arrival times and questions for a given rate and repeat. Per run:
+`load` (default): Poisson arrivals per rate, streamed greedy chat completions; throughput, TTFT and inter-token
+latency per server and rate, interleaved repeats (docs/benchmarks/serving.md). Writes serve.jsonl and serve.md
+to --out, the plot to --plot. `soak`: one specdec server under --soak-requests mixed requests, its RSS read
+every --every finished ones; writes soak.json.
 
-- throughput: completion tokens of the finished requests / (last finish - first arrival), tokens/s;
-- TTFT: arrival to the first content chunk, p50 and p99 over the requests;
-- inter-token latency (ITL): per request (last chunk - first chunk) / (completion tokens - 1), the time per
-  token after the first (a speculative step's tokens arrive together; this spreads them as the user's
-  reading rate sees them), p50 and p99 over the requests. Completion tokens: the usage the server reports.
-
-The table gives the median over the repeats (throughput also its min-max), and the ratios: specdec's ITL
-over transformers' (aim <= 0.6 at low load), specdec's throughput over transformers' (aim >= 1.2 at
-saturation), auto k's throughput over --method ar's (aim >= 1 at every rate). Writes serve.jsonl and
-serve.md to --out and the plot to --plot.
-
-`soak`: one specdec server, --soak-requests requests (default 1,000) from --concurrency clients, mixed:
-completions and chat, streamed and not, stop strings, and every 10th stream dropped by the client after its
-first chunk. The server's RSS (VmRSS) is read after every --every finished requests; the first and the last
-block are compared.
-
-    python -m bench.serve --repeats 3                                   # all three servers, 5 rates
-    python -m bench.serve --servers specdec,specdec-ar --rates 1,4 --requests 16 --repeats 1
-    python -m bench.serve soak                                          # 1,000 requests, RSS per 100
     python -m bench.serve --quick                                       # smoke test: seconds
 """
 from __future__ import annotations
@@ -50,7 +27,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from bench.common import REPO, HelpFormatter, command_line, git_revision, read_jsonl, rss_mib, write_jsonl
+from bench.common import (REPO, HelpFormatter, command_line, git_revision, parse_with_quick, read_jsonl, rss_mib,
+                          write_json, write_jsonl)
 
 
 def free_port() -> int:
@@ -58,6 +36,10 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def server_env(args) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS=str(args.threads), OMP_WAIT_POLICY="PASSIVE")
 
 
 def specdec_command(port: int, *flags: str) -> list[str]:
@@ -109,6 +91,7 @@ LABELS = {"specdec": "specdec (auto k)", "specdec-ar": "specdec --method ar", "h
 # the embedded pair ships no chat template: this one (every server renders it) writes messages as Python
 # comments, which the code model then continues
 CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+QUICK = dict(servers="specdec", rates="2", requests=4, max_tokens=8, repeats=1, plot="", soak_requests=40, every=10)
 K_MAX = 8  # specdec's default --max-speculative-tokens: the context a request needs beyond its tokens
 
 
@@ -239,7 +222,7 @@ def load_main(args) -> None:
     tmp = tempfile.mkdtemp(prefix="specdec-serve-bench-")
     model = model_with_template(tmp)
     chats = chat_questions(args.prompts, model, args.max_tokens)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), OMP_WAIT_POLICY="PASSIVE")
+    env = server_env(args)
     procs, bases = {}, {}
     meta = {"type": "meta", "command": command_line("bench.serve"), "git": git_revision(), "servers": servers,
             "rates": rates, "requests": args.requests, "max_time": args.max_time, "max_tokens": args.max_tokens,
@@ -277,28 +260,25 @@ def load_main(args) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     meta["loadavg_after"] = list(os.getloadavg())
     write_jsonl(os.path.join(args.out, "serve.jsonl"), [meta, *rows])
-    table = report(meta, rows, servers, rates)
     with open(os.path.join(args.out, "serve.md"), "w") as f:
-        f.write(table)
+        f.write(show([meta], rows, args.plot))
+
+
+def show(metas: list[dict], rows: list[dict], plot_path: str) -> str:
+    """Prints (and returns) the tables of one or more runs; plots them all together to plot_path unless ''."""
+    servers = [s for s in SERVERS if any(r["server"] == s for r in rows)]
+    table = "\n".join(report(meta, [r for r in rows if r["rate"] in meta["rates"]], servers, meta["rates"])
+                      for meta in metas)
     print(table)
-    if args.plot:
-        plot(rows, servers, rates, args.plot)
+    if plot_path:
+        plot(rows, servers, sorted({r["rate"] for r in rows}), plot_path)
+    return table
 
 
 def report_main(args) -> None:
     """The table and plot of the runs in args.from_jsonl together."""
-    metas, rows = [], []
-    for path in args.from_jsonl:
-        lines = read_jsonl(path)
-        metas += [x for x in lines if x["type"] == "meta"]
-        rows += [x for x in lines if x["type"] == "run"]
-    servers = [s for s in SERVERS if any(r["server"] == s for r in rows)]
-    rates = sorted({r["rate"] for r in rows})
-    table = "\n".join(report(meta, [r for r in rows if r["rate"] in meta["rates"]], servers, meta["rates"])
-                      for meta in metas)
-    print(table)
-    if args.plot:
-        plot(rows, servers, rates, args.plot)
+    lines = [x for path in args.from_jsonl for x in read_jsonl(path)]
+    show([x for x in lines if x["type"] == "meta"], [x for x in lines if x["type"] == "run"], args.plot)
 
 
 def _median(values):
@@ -432,8 +412,7 @@ def soak_main(args) -> None:
     port = free_port()
     command = specdec_command(port, "--chat-template", template, "--batch-size", str(args.batch_size),
                               "--max-waiting", "100000", "--method", args.method)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), OMP_WAIT_POLICY="PASSIVE")
-    proc = launch(command, port, os.path.join(args.out, "server-soak.log"), env)
+    proc = launch(command, port, os.path.join(args.out, "server-soak.log"), server_env(args))
     try:
         rss_start = rss_mib(proc.pid)
         result = asyncio.run(soak_requests(f"http://127.0.0.1:{port}", args.soak_requests, args.concurrency,
@@ -448,8 +427,7 @@ def soak_main(args) -> None:
     summary = {"command": command_line("bench.serve"), "server": shlex.join(command), "rss_after_warm_up_mib":
                round(rss_start, 1), "rss_first_block_mib": first, "rss_last_block_mib": last,
                "growth_mib": round(last - first, 1), "after": running, "exit_status": exit_status, **result}
-    with open(os.path.join(args.out, "soak.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_json(os.path.join(args.out, "soak.json"), summary)
     print("| finished requests | server RSS MiB | seconds |\n|---:|---:|---:|")
     for s in samples:
         print(f"| {s['finished']} | {s['rss_mib']} | {s['t']} |")
@@ -457,7 +435,7 @@ def soak_main(args) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("mode", nargs="?", choices=("load", "soak"), default="load")
     p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)}")
     p.add_argument("--rates", default="0.5,1,2,4,8", help="request rates (req/s), comma-separated")
@@ -465,7 +443,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-time", type=float, default=90.0, help="seconds of arrivals per run at most; unfinished "
                    "requests are cancelled the same time after")
     p.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request at most")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="runs per server and rate")
     p.add_argument("--batch-size", type=int, default=8, help="specdec: rows decoding at once")
     p.add_argument("--method", default="eqspec", help="specdec's method for the auto-k server (and the soak)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every server")
@@ -479,17 +457,13 @@ def main(argv=None) -> None:
     p.add_argument("--every", type=int, default=100, help="soak: read the server's RSS every N finished requests")
     p.add_argument("--from-jsonl", metavar="FILE", nargs="+", help="no runs: the table and plot of earlier runs' "
                    "serve.jsonl files together (e.g. a low-rate and a high-rate run)")
-    p.add_argument("--quick", action="store_true", help="smoke test: specdec only, one rate, 4 requests of 8 "
-                   "tokens, no plot")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.servers, args.rates, args.requests, args.max_tokens, args.repeats, args.plot = \
-            "specdec", "2", 4, 8, 1, ""
-        args.soak_requests, args.every = 40, 10
+    p.add_argument("--quick", action="store_true", help="smoke test: " + ", ".join(
+        f"--{k.replace('_', '-')} {v!r}" for k, v in QUICK.items()))
+    args = parse_with_quick(p, QUICK, argv)
     if args.from_jsonl:
         report_main(args)
-        return
-    (soak_main if args.mode == "soak" else load_main)(args)
+    else:
+        (soak_main if args.mode == "soak" else load_main)(args)
 
 
 if __name__ == "__main__":

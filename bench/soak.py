@@ -1,18 +1,8 @@
-"""Soak: many short requests through one engine, watching memory and speed over the run (not a test).
+"""Soak: many short requests through one engine (each method in its own subprocess), the process's RSS and the
+tokens/s of every --every finished requests; a second round after dropping the first's outputs shows a leak as
+RSS growth (docs/benchmarks/soak.md).
 
-    python -m bench.soak                                  # 2000 requests, ragged and exspec, default pair
-    python -m bench.soak --methods ragged --requests 500  # shorter
-
-Each method runs in its own fresh subprocess (so its RSS is its own), one after the other. In the
-subprocess the engine is built, warmed up on 16 requests, then given all N requests at once in one
-`generate` call (the continuous-batching path: rows and pool slots are refilled 2000 times). Requests are
-short: a held-out prompt of the default pair (cycled), cut to at most --max-prompt tokens, --max-tokens new
-tokens, alternately greedy and sampled (temperature 0.8, own seed). Every --every finished requests (the
-`on_output` callback) it records the process RSS (VmRSS) and the tokens and seconds of that slice, so
-tokens/s is per slice. A slowdown shows as tokens/s falling. RSS rises a little within a round by design:
-`generate` keeps every finished request's output (token lists, ~1.5 KB each) until it returns them. So
-`--rounds 2` (the default) runs the same N requests again after dropping round 1's outputs: Python and
-the allocator reuse that memory, so RSS growth during round 2 is what would be a leak.
+    python -m bench.soak --methods ragged --requests 500
 """
 from __future__ import annotations
 
@@ -25,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import REPO, command_line, machine_line, md_table, rss_mib
+from bench.common import REPO, command_line, machine_line, md_table, rss_mib, write_json
 
 
 def soak(method: str, n: int, every: int, max_tokens: int, max_prompt: int, batch_size: int, k: int,
@@ -113,8 +103,7 @@ def main() -> None:
               f"{statistics.median(tps):.1f} (range {min(tps)}-{max(tps)}), median of the last {per_round} slices / "
               f"median of the first {per_round}: {trend:.2f}", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.out, results)
 
 
 if __name__ == "__main__":
