@@ -100,6 +100,7 @@ def machine() -> dict:
 
 
 def machine_line(m: dict | None = None) -> str:
+    """`machine()` in one line."""
     m = m or machine()
     return (f"torch {m['torch']}, Python {m['python']}, {m['cpu']}, {m['cpu_count']} CPUs, {m['threads']} torch "
             f"thread(s), git {m['git'] or '?'}, {m['date']}, load average {m['loadavg'][0]:.1f} at start")
@@ -215,10 +216,19 @@ def read_jsonl(path: str) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def save_figure(fig, path: str, dpi: int = 90) -> str:
-    """Writes a matplotlib figure to path and closes it; returns the path."""
+def pyplot():
+    """matplotlib.pyplot, drawing to files only (the Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig, path: str, dpi: int = 90) -> str:
+    """Writes a matplotlib figure to path and closes it; returns the path."""
+    plt = pyplot()
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)

@@ -13,13 +13,14 @@ import time
 
 import torch
 
+from bench.common import HelpFormatter, fmt_spread, md_table
 from specdec import LLM, SamplingParams
 from specdec.models import load_model, load_tokenizer
 from specdec.prompts import DEFAULT_TARGET
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--tokens", type=int, default=2000, help="output tokens of the request")
     p.add_argument("--early", type=int, default=100, help="the early output token compared")
     p.add_argument("--window", type=int, default=20, help="steps around each token whose times are pooled")
@@ -33,14 +34,12 @@ def step_times(llm: LLM, tokens: int, stream_text: bool) -> dict[int, float]:
     """Output length after each step -> that step's seconds (one request, fed one step at a time)."""
     engine = llm.engine(batch_size=1, stream_text=stream_text)
     engine.add_request("def fibonacci(n):", SamplingParams(max_tokens=tokens, ignore_eos=True))
-    times, emitted, text = {}, 0, []
+    times, emitted = {}, 0
     while engine.has_unfinished():
         t0 = time.perf_counter()
         deltas = engine.step()
         seconds = time.perf_counter() - t0
-        for d in deltas:
-            emitted = d.num_output_tokens
-            text.append(d.text)
+        emitted = max((d.num_output_tokens for d in deltas), default=emitted)
         times[emitted] = seconds
     return times
 
@@ -64,14 +63,12 @@ def main(argv=None) -> int:
         for stream_text in (True, False):  # interleaved
             times = step_times(llm, args.tokens, stream_text)
             results[stream_text].append((around(times, args.early, args.window), around(times, late, args.window)))
-    print(f"| text per step | step at token {args.early} (ms) | step at token {late} (ms) | ratio |")
-    print("|---|---|---|---|")
-    for stream_text, runs in results.items():
-        early = statistics.median(e for e, _ in runs) * 1e3
-        at_end = statistics.median(l for _, l in runs) * 1e3
-        ratios = [l / e for e, l in runs]
-        print(f"| {'yes (streaming)' if stream_text else 'no (generate)'} | {early:.2f} | {at_end:.2f} | "
-              f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
+    print(md_table(["text per step", f"step at token {args.early} (ms)", f"step at token {late} (ms)", "ratio"],
+                   (["yes (streaming)" if stream_text else "no (generate)",
+                     f"{statistics.median(e for e, _ in runs) * 1e3:.2f}",
+                     f"{statistics.median(end for _, end in runs) * 1e3:.2f}",
+                     fmt_spread([end / e for e, end in runs], "{:.2f}")]
+                    for stream_text, runs in results.items())))
     print(f"\none request, {args.method}, {args.tokens} tokens, {args.repeats} interleaved runs, {args.threads} "
           f"thread(s); medians of the {args.window} steps around each token")
     return 0

@@ -20,18 +20,17 @@ from specdec.prompts import DEFAULT_DRAFT, DEFAULT_PROMPTS, DEFAULT_TARGET, read
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
-    p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--target", default=DEFAULT_TARGET, help="target checkpoint")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft checkpoint")
     p.add_argument("--num-prompts", type=int, default=64, help="the built-in prompts, cycled to this many")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--method", default="eqspec")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=5)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (ignore_eos)")
+    p.add_argument("--method", default="eqspec", help="decoding method")
+    p.add_argument("--batch-size", type=int, default=8, help="rows decoded together, per process")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
+    p.add_argument("--dtype", default="float32", help="model dtype")
     p.add_argument("--block-size", type=int, default=16, help="prompts per Ray block")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="back-to-back repeats of both sides")
     p.add_argument("--out", help="write the raw measurements as JSON here")
     return p.parse_args(argv)
 

@@ -21,7 +21,8 @@ import torch
 from bench.bandwidth import read_bandwidth
 from bench.common import (REPO, HelpFormatter, checkpoint_tokenizer, comma_ints, comma_list, command_line,
                           evenly_spaced, file_sha256, fmt_spread, interleave, k_text, lengths_text, machine,
-                          md_table, parse_with_quick, prompt_ids, read_jsonl, save_figure, shown, spread, write_jsonl)
+                          md_table, parse_with_quick, prompt_ids, pyplot, read_jsonl, save_figure, shown, spread,
+                          write_jsonl)
 from bench.pairs import DEFAULT_PAIR_DIR, pair_dirs
 from specdec import LLM, METHODS, SamplingParams
 from specdec.drafts import shipped_draft
@@ -318,11 +319,8 @@ class Runner:
                    check_invariants=False, cost_cache="")
 
     def warm_up(self, prompts, batch_size: int, max_tokens: int) -> float:
-        """Untimed run(s) before the timed ones; returns their seconds (compilation included).
-
-        A compiled variant runs a full batch, so that every graph its timed runs need gets built; with k =
-        "auto" it then gets a fresh LLM on the same, now compiled, models and runs once more, so that auto k
-        calibrates its cost model on compiled forwards rather than on forwards that were compiling."""
+        """Untimed run(s) before the timed ones; returns their seconds. A compiled variant runs a full batch (every
+        graph gets built), and with k = "auto" once more in a fresh LLM, calibrating on compiled forwards."""
         v = self.variant
         t0 = time.perf_counter()
         n = min(batch_size, len(prompts)) if v.compile else min(batch_size, 2)
@@ -334,11 +332,8 @@ class Runner:
         return time.perf_counter() - t0
 
     def run(self, prompts, batch_size: int, max_tokens: int) -> Run:
-        if self.variant.engine == "specdec":
-            return self._specdec(prompts, batch_size, max_tokens)
-        return self._hf_generate(prompts, batch_size, max_tokens)
-
-    def _specdec(self, prompts, batch_size, max_tokens) -> Run:
+        if self.variant.engine == "hf":
+            return self._hf_generate(prompts, batch_size, max_tokens)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         chooser = getattr(self.llm, "chooser", None)
         key = getattr(chooser, "key", None)
@@ -351,13 +346,12 @@ class Runner:
 
     @torch.inference_mode()
     def _hf_generate(self, prompts, batch_size, max_tokens) -> Run:
-        """transformers' generate on left-padded batches (hf-ar), or with the draft as its assistant model
-        (hf-assisted: batch 1, so no padding)."""
+        """transformers' generate on left-padded batches (hf-ar), with prompt lookup, or with the draft as its
+        assistant model (hf-lookup, hf-assisted: batch 1, so no padding)."""
         config = no_eos_config(self.pair.pad_token_id, do_sample=False, max_new_tokens=max_tokens,
-                               min_new_tokens=max_tokens)
+                               min_new_tokens=max_tokens,
+                               prompt_lookup_num_tokens=self.variant.k if self.variant.method == "lookup" else None)
         assistant = {}
-        if self.variant.method == "lookup":
-            config.prompt_lookup_num_tokens = self.variant.k
         if self.variant.method == "assisted":
             self.pair.hf_draft.generation_config = assistant_config(self.variant.k, self.pair.pad_token_id)
             assistant = {"assistant_model": self.pair.hf_draft}
@@ -583,11 +577,7 @@ def render(rows, meta) -> str:
 
 
 def plot(rows, meta, out_dir) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     paths = []
     for pair in dict.fromkeys(info["pair"] for info in meta["configs"]):
         dtypes = [i["dtype"] for i in meta["configs"] if i["pair"] == pair]

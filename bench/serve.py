@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from bench.common import (REPO, HelpFormatter, command_line, git_revision, parse_with_quick, read_jsonl, rss_mib,
-                          write_json, write_jsonl)
+from bench.common import (REPO, HelpFormatter, command_line, git_revision, parse_with_quick, pyplot, read_jsonl,
+                          rss_mib, write_json, write_jsonl)
 
 
 def free_port() -> int:
@@ -327,11 +327,7 @@ def report(meta: dict, rows: list[dict], servers: list[str], rates: list[float])
 
 
 def plot(rows: list[dict], servers: list[str], rates: list[float], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = (("throughput", None, "throughput (tokens/s)", 1), ("ttft_p50", "ttft_p99", "TTFT (ms)", 1000),
               ("itl_p50", "itl_p99", "inter-token latency (ms)", 1000))

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import REPO, command_line, machine_line, md_table, rss_mib, write_json
+from bench.common import REPO, HelpFormatter, command_line, machine_line, md_table, rss_mib, write_json
 
 
 def soak(method: str, n: int, every: int, max_tokens: int, max_prompt: int, batch_size: int, k: int,
@@ -58,15 +58,15 @@ def soak(method: str, n: int, every: int, max_tokens: int, max_prompt: int, batc
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", default="ragged,exspec")
-    p.add_argument("--requests", type=int, default=2000)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--methods", default="ragged,exspec", help="comma-separated, each in its own subprocess")
+    p.add_argument("--requests", type=int, default=2000, help="requests per round, all given to one generate call")
     p.add_argument("--rounds", type=int, default=2, help="run the N requests this many times in one engine")
     p.add_argument("--every", type=int, default=250, help="sample RSS and tokens/s every N finished requests")
-    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=8, help="new tokens per request (ignore_eos)")
     p.add_argument("--max-prompt", type=int, default=32, help="prompt tokens at most")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("-k", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=8, help="rows decoded together")
+    p.add_argument("-k", type=int, default=3, help="draft tokens per step")
     p.add_argument("--out", help="also write the JSON results here")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -80,10 +80,7 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     results = []
     for method in args.methods.split(","):
-        cmd = [sys.executable, "-m", "bench.soak", "--one", method, "--requests", str(args.requests),
-               "--every", str(args.every),
-               "--max-tokens", str(args.max_tokens), "--max-prompt", str(args.max_prompt),
-               "--batch-size", str(args.batch_size), "-k", str(args.k), "--rounds", str(args.rounds)]
+        cmd = [sys.executable, "-m", "bench.soak", *sys.argv[1:], "--one", method]  # this run's flags, one method
         started = time.perf_counter()
         out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=True).stdout
         r = json.loads(out.strip().splitlines()[-1])

@@ -21,9 +21,9 @@ import traceback
 
 import torch
 
-from bench.common import (REPO, HelpFormatter, checkpoint_tokenizer, comma_ints, command_line, evenly_spaced, k_text,
-                          lengths_text, log, machine, md_table, parse_with_quick, prompt_ids, random_prompts,
-                          read_jsonl, save_figure, shown, write_jsonl)
+from bench.common import (REPO, HelpFormatter, checkpoint_tokenizer, comma_ints, command_line, evenly_spaced,
+                          k_text, lengths_text, log, machine, md_table, parse_with_quick, prompt_ids, pyplot,
+                          random_prompts, read_jsonl, save_figure, shown, write_jsonl)
 from bench.pairs import DEFAULT_PAIR_DIR, cost_ratio, pair_description, pair_dirs
 from specdec import LLM, METHODS, SamplingParams
 from specdec.flags import k_value
@@ -242,11 +242,7 @@ def markdown_table(rows, spec_methods=("eqspec", "ragged", "exspec")) -> str:
 
 
 def plot(rows, args, tag: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     paths = []
     methods = [m for m in args.methods if any(r["method"] == m and r["status"] == "ok" for r in rows)]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
