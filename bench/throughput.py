@@ -243,14 +243,13 @@ def markdown_table(rows, spec_methods=("eqspec", "ragged", "exspec")) -> str:
 
 def plot(rows, args, tag: str) -> list[str]:
     plt = pyplot()
-    paths = []
-    methods = [m for m in args.methods if any(r["method"] == m and r["status"] == "ok" for r in rows)]
+    ok = {m: [r for r in rows if r["method"] == m and r["status"] == "ok"] for m in args.methods}
+    methods = [m for m in args.methods if ok[m]]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for m in methods:
-        pts = [(r["batch_size"], r["tokens_per_s"], r.get("speedup_vs_ar_same_b")) for r in rows
-               if r["method"] == m and r["status"] == "ok"]
-        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m, color=color_of(m, args.methods))
-        axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=m, color=color_of(m, args.methods))
+        for ax, key in zip(axes, ("tokens_per_s", "speedup_vs_ar_same_b")):
+            ax.plot([r["batch_size"] for r in ok[m]], [r.get(key) for r in ok[m]], marker="o", label=m,
+                    color=color_of(m, args.methods))
     axes[0].set_ylabel("tokens/s")
     axes[1].set_ylabel("speedup over AR at the same B")
     axes[1].axhline(1.0, color="gray", lw=0.8, ls="--")
@@ -262,7 +261,7 @@ def plot(rows, args, tag: str) -> list[str]:
         ax.legend()
     fig.suptitle(f"throughput ({tag}-length prompts, k={args.num_speculative_tokens}, {args.max_tokens} tokens, "
                  f"{args.dtype}, {args.device})", fontsize=10)
-    paths.append(save_figure(fig, os.path.join(args.out, f"throughput-{tag}.png")))
+    paths = [save_figure(fig, os.path.join(args.out, f"throughput-{tag}.png"))]
 
     spec = [m for m in methods if m != "ar"]
     if spec:
@@ -270,7 +269,7 @@ def plot(rows, args, tag: str) -> list[str]:
         width = 0.8 / len(spec)
         xs = range(len(args.batch_sizes))
         for j, m in enumerate(spec):
-            share = {r["batch_size"]: r["realign_share"] for r in rows if r["method"] == m and r["status"] == "ok"}
+            share = {r["batch_size"]: r["realign_share"] for r in ok[m]}
             values = [100 * share.get(b, 0.0) for b in args.batch_sizes]
             bars = ax.bar([x + j * width for x in xs], values, width, label=m, color=color_of(m, args.methods))
             ax.bar_label(bars, [f"{v:.1f}" for v in values], fontsize=7)
@@ -334,11 +333,8 @@ def replot(args) -> None:
     """Re-render the markdown and plots of one run's JSONL, or of several runs of one sweep split over
     batch sizes (comma-separated JSONL files: rows concatenated, batch sizes merged, the first run's header)."""
     paths = args.replot.split(",")
-    records, commands = [], []
-    for path in paths:
-        run = read_jsonl(path)
-        records += run
-        commands.append(run[0]["meta"]["command"])
+    runs = [read_jsonl(path) for path in paths]
+    records = [r for run in runs for r in run]
     meta = records[0]["meta"]
     rows = [{k: v for k, v in r.items() if k != "meta"} for r in records]
     for key in ("batch_sizes", "methods", "num_speculative_tokens", "max_tokens", "dtype", "device"):
@@ -346,7 +342,7 @@ def replot(args) -> None:
     args.batch_sizes = sorted({r["batch_size"] for r in rows})
     if len(paths) > 1:
         rows.sort(key=lambda r: r["batch_size"])  # stable: each run's method order kept
-        meta = dict(meta, command=" ; ".join(commands))
+        meta = dict(meta, command=" ; ".join(run[0]["meta"]["command"] for run in runs))
     if not args.out_given:
         args.out = os.path.dirname(os.path.abspath(paths[0]))
     os.makedirs(args.out, exist_ok=True)
