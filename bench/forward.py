@@ -114,7 +114,8 @@ def main(argv=None):
                 print(f"B={B} T={T}: ours {1e3 * t_ours:.2f} ms, HF {1e3 * t_hf:.2f} ms", file=sys.stderr)
 
     header = (f"`{command_line('bench.forward', argv)}`: Llama {n_params / 1e6:.1f}M params, {args.dtype}, device "
-              f"{args.device}, prefix {args.prefill} tokens, our cache {args.capacity} columns, HF attn_implementation={attn}, median of {args.repeats}; transformers "
+              f"{args.device}, prefix {args.prefill} tokens, our cache {args.capacity} columns, HF "
+              f"attn_implementation={attn}, median of {args.repeats}; transformers "
               f"{__import__('transformers').__version__}; {machine_line(started)}")
     print(header + "\n")
     print(md_table(["batch", "new tokens/row", "ours ms/step", "HF ms/step", "ours/HF", "speedup (HF/ours)",

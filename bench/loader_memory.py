@@ -172,8 +172,8 @@ def main() -> None:
         for repeat in range(args.repeats):
             for dtype in args.dtypes.split(","):
                 for loader in args.loaders.split(","):  # interleaved
-                    out = subprocess.run([sys.executable, "-m", "bench.loader_memory", "--measure", loader, ckpt, dtype],
-                                         env=env, cwd=REPO, capture_output=True, text=True, check=True).stdout
+                    command = [sys.executable, "-m", "bench.loader_memory", "--measure", loader, ckpt, dtype]
+                    out = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, check=True).stdout
                     r = json.loads(out.strip().splitlines()[-1])
                     results.append(r)
                     scan = f", of which the NaN/inf scan {r['check_s']:.2f} s" if r["check_s"] is not None else ""

@@ -8,6 +8,7 @@ Writes peers.jsonl, peers.md (also printed) and peers-<pair>.png to --out (defau
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -20,7 +21,7 @@ import torch
 
 from bench.bandwidth import read_bandwidth
 from bench.common import (REPO, HelpFormatter, checkpoint_tokenizer, comma_ints, comma_list, command_line,
-                          evenly_spaced, file_sha256, fmt_spread, interleave, k_text, lengths_text, machine,
+                          evenly_spaced, file_sha256, fmt_spread, interleave, k_text, lengths_text, log, machine,
                           md_table, parse_with_quick, prompt_ids, pyplot, read_jsonl, save_figure, shown, spread,
                           write_jsonl)
 from bench.pairs import DEFAULT_PAIR_DIR, pair_dirs
@@ -641,9 +642,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
 
-    def progress(msg):
-        print(f"[peers] {msg}", file=sys.stderr, flush=True)
-
+    progress = functools.partial(log, "peers")
     meta = {"type": "meta", **machine(), "command": command_line("bench.peers", argv),
             "transformers": transformers.__version__, "repeats": args.repeats, "batch_sizes": args.batch_sizes,
             "methods": [v.label for v in args.variants], "loadavg_start": list(os.getloadavg()),
