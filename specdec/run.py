@@ -7,6 +7,10 @@ checks the output against AR decoding.
 """
 from __future__ import annotations
 
+from specdec.openmp import default_to_passive_waits
+
+default_to_passive_waits()  # before anything imports torch
+
 import argparse
 import contextlib
 import math

@@ -2,6 +2,10 @@
 decoding. Without --target/--draft it serves the embedded default pair. docs/serve.md has the details."""
 from __future__ import annotations
 
+from specdec.openmp import default_to_passive_waits
+
+default_to_passive_waits()  # before anything imports torch
+
 import argparse
 import logging
 import sys
