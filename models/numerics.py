@@ -161,8 +161,9 @@ def one_thread():
 def serial(q, width: int) -> bool:
     """Whether attention of q [B, H, T, D] over `width` key columns runs on one thread (SERIAL_ATTENTION_WORK)."""
     B, H, T, _ = q.shape
-    return (B * H * T * width <= SERIAL_ATTENTION_WORK and q.device.type == "cpu" and torch.get_num_threads() > 1
-            and not torch.compiler.is_compiling())
+    # is_compiling first: torch.compile cannot trace get_num_threads (a compiled graph keeps the caller's threads)
+    return (not torch.compiler.is_compiling() and B * H * T * width <= SERIAL_ATTENTION_WORK
+            and q.device.type == "cpu" and torch.get_num_threads() > 1)
 
 
 def sdpa(q, k_cache, v_cache, attn_bias, gqa: bool):
