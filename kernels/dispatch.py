@@ -21,6 +21,17 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def triton_compiles_for_nvidia() -> bool:
+    """Whether triton's NVIDIA backend is installed: kernels can be compiled for a GPU (sm_90) without one."""
+    if not triton_available():
+        return False
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return False
+    return "nvidia" in backends
+
+
 class KernelBackendError(ValueError, RuntimeError):
     """A kernel backend that cannot run here; a ValueError, so the CLI reports it as one line (exit 2)."""
 

@@ -746,17 +746,7 @@ def compile_all_for_sm90():
     print("compiled all kernels for sm_90")
 
 
-def _nvidia_compiler():
-    if not HAS_TRITON:
-        return False
-    try:
-        from triton.backends import backends
-    except ImportError:
-        return False
-    return "nvidia" in backends
-
-
-@pytest.mark.skipif(not _nvidia_compiler(), reason="triton's nvidia backend is not installed")
+@pytest.mark.skipif(not dispatch.triton_compiles_for_nvidia(), reason="triton's nvidia backend is not installed")
 def test_kernels_compile_for_sm90():
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)

@@ -162,17 +162,7 @@ def test_quant_linear_gpu_layout_runs_the_kernel(monkeypatch, fmt):
 
 
 # ---------------------------------------------------------------------------------------------- compiler
-def _nvidia_compiler() -> bool:
-    if not dispatch.triton_available():
-        return False
-    try:
-        from triton.backends import backends
-    except ImportError:
-        return False
-    return "nvidia" in backends
-
-
-@pytest.mark.skipif(not _nvidia_compiler(), reason="triton's nvidia backend is not installed")
+@pytest.mark.skipif(not dispatch.triton_compiles_for_nvidia(), reason="triton's nvidia backend is not installed")
 def test_kernel_compiles_for_sm90():
     """The interpreter forgives what the compiler rejects: compile both formats for sm_90 (no GPU needed)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
