@@ -24,7 +24,7 @@ from .sampling import SamplingParams
 from .schedulers import SCHEDULERS, SPECULATIVE
 
 METHODS = tuple(SCHEDULERS)
-DEFAULT_LOOKUP = "suffix"  # the drafter of a target with no draft given and none shipped (docs/benchmarks.md)
+DEFAULT_LOOKUP = "suffix"  # the drafter of a target with no draft given and none shipped (docs/benchmarks/lookup.md)
 
 
 class Outputs(list):
