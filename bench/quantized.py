@@ -28,7 +28,6 @@ import json
 import math
 import os
 import statistics
-import time
 
 import torch
 

@@ -8,7 +8,6 @@ steps of T >= 1 new tokens per row, in both cache layouts. Module names mirror H
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdec.kernels.kv_append import kv_append

@@ -22,6 +22,7 @@ from specdec.kernels.rejection import random_slot, rejection_sample
 from .batch import LEFT_PADDED, Batch, DecodeContext, finite_rows, row_params
 from .commit import StepOutput
 from .proposers import Proposal
+from .request import Request
 from .sampling import choose_tokens, draw_step_noise, sample_race
 
 
