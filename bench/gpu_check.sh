@@ -3,14 +3,15 @@
 #
 #   bash bench/gpu_check.sh [RESULTS_DIR]        # default ./gpu_results; about 6-9 minutes on an H200
 #
-# Installs nothing from the network: torch and triton must already be there (the repository is installed
-# with `pip install -e . --no-deps --no-index` only if `specdec` does not import). Every step has its own
+# Installs nothing from the network: torch and triton must already be there (the repository is installed with
+# `pip install -e . --no-deps --no-index --no-build-isolation --use-pep517` only if `specdec` does not import). Every step has its own
 # timeout inside an overall budget ($GPU_CHECK_BUDGET_S, default 520 s); a failing step does not stop the
 # others, and the exit status is non-zero if any step failed. Results in RESULTS_DIR:
 #   env.txt                 versions, GPU, git revision
-#   kernel_tests.log/.xml   python -m pytest tests/test_kernel*.py, compiled kernels (TRITON_INTERPRET=0)
+#   kernel_tests.log/.xml   python -m pytest tests/test_kernel*.py tests/test_quant_kernel.py, compiled kernels
+#                           (TRITON_INTERPRET=0)
 #   invariant_tests.log/.xml  tests/test_batch_invariant.py natively: bitwise batch invariance on CUDA
-#   bench_realign.json/.log, bench_rejection.json/.log
+#   bench_realign.json/.log, bench_rejection.json/.log, bench_quant_matmul.json/.log
 #                           microbenchmarks (pytest-benchmark JSON; GB/s etc. in each "extra_info")
 #   bench_summary.md        realign GB/s vs torch copy, in place vs ping-pong; rejection times
 #   throughput.log + files  python -m bench.throughput --device cuda --dtype bfloat16 --quick --out RESULTS_DIR
@@ -61,8 +62,10 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 
     exit 2
 fi
 if ! python -c "import specdec.kernels.realign" 2>/dev/null; then
-    echo "specdec not importable: pip install -e . --no-deps (offline)"
-    python -m pip install -q -e . --no-deps --no-index --no-build-isolation || { echo "install failed" >&2; exit 2; }
+    # offline: build the editable install in this environment (no isolated build, which would fetch setuptools)
+    echo "specdec not importable: pip install -e . (offline, no build isolation)"
+    python -m pip install -q -e . --no-deps --no-index --no-build-isolation --use-pep517 || true
+    python -c "import specdec.kernels.realign" || { echo "specdec still not importable" >&2; exit 2; }
 fi
 {
     date -u
@@ -80,7 +83,7 @@ head -n 8 "$OUT_DIR/env.txt"
 
 # -- 1. kernel tests, natively (no interpreter), Triton forced -----------------------------------------------
 step kernel_tests 150 "$OUT_DIR/kernel_tests.log" \
-    env SPECDEC_KERNELS=triton python -m pytest -q -rs tests/test_kernel*.py --junitxml="$OUT_DIR/kernel_tests.xml" || true
+    env SPECDEC_KERNELS=triton python -m pytest -q -rs tests/test_kernel*.py tests/test_quant_kernel.py --junitxml="$OUT_DIR/kernel_tests.xml" || true
 
 # -- 1b. batch-invariant mode natively (Triton matmul/attention on CUDA): bitwise equal logits across B, T, layout
 step invariant_tests 120 "$OUT_DIR/invariant_tests.log" \
@@ -97,8 +100,9 @@ bench_part() {
             --benchmark-json="$OUT_DIR/bench_$part.json" || true
     fi
 }
-bench_part realign 150
-bench_part rejection 90
+bench_part realign 100
+bench_part rejection 60
+bench_part quant_matmul 90
 if [[ -s "$OUT_DIR/bench_realign.json" || -s "$OUT_DIR/bench_rejection.json" ]]; then
     if python - "$OUT_DIR"/bench_realign.json "$OUT_DIR"/bench_rejection.json > "$OUT_DIR/bench_summary.md" <<'EOF'
 import json, os, sys
@@ -126,7 +130,7 @@ fi
 
 # -- 3. end-to-end throughput ----------------------------------------------------------------------------
 if [[ -f bench/throughput.py ]]; then
-    step throughput 150 "$OUT_DIR/throughput.log" \
+    step throughput 90 "$OUT_DIR/throughput.log" \
         python -m bench.throughput --device cuda --dtype bfloat16 --quick --out "$OUT_DIR" || true
 else
     echo "throughput skipped: bench/throughput.py does not exist (yet)" | tee -a "$OUT_DIR/status.txt"
@@ -134,7 +138,7 @@ fi
 
 # -- 4. the same, compiled (CUDA graphs over the batch-size buckets; compile time in the log)
 if [[ -f bench/throughput.py ]]; then
-    step throughput_compiled 150 "$OUT_DIR/throughput_compiled.log" \
+    step throughput_compiled 90 "$OUT_DIR/throughput_compiled.log" \
         python -m bench.throughput --device cuda --dtype bfloat16 --quick --compile --out "$OUT_DIR/compiled" || true
 fi
 

@@ -15,3 +15,26 @@ wrapper that dispatches between them (`dispatch.py`: Triton on CUDA, the referen
 This top-level `kernels/` folder installs as `specdec.kernels` (setup.py's package_dir): import it as
 `from specdec.kernels.realign import realign`. Importing never imports triton (see `dispatch.lazy_jit`).
 """
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+
+def _hand_over_to_installed_kernels() -> None:
+    """Run from a source checkout, the repository root is on sys.path (`python -m ...` puts the working
+    directory first), and `import kernels` finds this folder instead of the PyPI package `kernels` that
+    transformers (>= 5.x) imports. Imported under that top-level name, this module puts the installed package
+    in its place (the import statement then returns it); with none installed it stays this folder."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+    elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", elsewhere)
+    if spec is None or spec.loader is None:
+        return  # none installed: stay this folder (older transformers probe `import kernels` and move on)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _hand_over_to_installed_kernels()

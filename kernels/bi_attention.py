@@ -222,6 +222,8 @@ def _bi_attention_kernel(
     kv = h // GROUP
     if ACC_F64:
         acc_ty = tl.float64
+        # a float argument arrives as float32: float64 computes 1/sqrt(D) itself (IEEE-rounded, as Python does)
+        scale = 1.0 / tl.sqrt(tl.full([], D, tl.float64))  # float64 sqrt and division round to nearest
     else:
         acc_ty = tl.float32
     d = tl.arange(0, BLOCK_D)  # [BLOCK_D]

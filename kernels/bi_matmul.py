@@ -20,7 +20,10 @@ can be summed in a different order and round differently.
     is aligned (a misaligned view changes the result).
   These are measured facts about these libraries on this CPU, re-checked by
   `tests/test_batch_invariant.py`, not guarantees: other CPUs (AVX-512, AMX) or library versions need
-  the probe and the tests run again.
+  the probe and the tests run again. One guard is built in: with more than one thread, the first call per
+  (dtype, thread count) checks rows alone against rows in calls of other sizes (`threads_keep_rows`), and
+  where they differ the path runs on one thread. The H200 machine's host CPU needed it: float32 through
+  oneDNN at two threads changed rows at M = 3 and 48 (one thread agreed).
 """
 from __future__ import annotations
 
@@ -90,9 +93,8 @@ def padded_linear(x, weight, bias=None):
     return F.linear(rows, weight, bias)[:M]  # [M, N]
 
 
-def bi_matmul_reference(x, weight, bias=None, packed=None):
-    """x [M, K], weight [N, K], bias [N] or None -> [M, N], by the dtype's CPU path. `packed`: the weight
-    from `pack_weight` (packed on the fly when missing: same bits, slower)."""
+def _cpu_linear(x, weight, bias=None, packed=None):
+    """The dtype's CPU path (module docstring) at the caller's thread count."""
     path = cpu_path(x.dtype) if x.device.type == "cpu" else "padded"
     if path == "native":
         return F.linear(x, weight, bias)
@@ -101,6 +103,41 @@ def bi_matmul_reference(x, weight, bias=None, packed=None):
             packed = pack_weight(weight)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     return padded_linear(x, weight, bias)
+
+
+@functools.cache
+def threads_keep_rows(dtype: torch.dtype, threads: int) -> bool:
+    """Whether `dtype`'s CPU path gives each row the same bits alone and in calls of other sizes at `threads`
+    intra-op threads: measured once per process on a fixed random [640, 384] weight (the caller's threads)."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(640, 384, generator=g).to(dtype)  # [N, K]
+    x = torch.randn(48, 384, generator=g).to(dtype)  # [M, K]
+    packed = pack_weight(weight)
+    alone = torch.cat([_cpu_linear(x[i:i + 1].clone(), weight, None, packed) for i in range(8)])  # [8, N]
+    for M in (2, 3, 4, 5, 8, 17, 48):
+        for shift in (0, 1, 3):
+            n = min(M, 8 - shift)
+            if not torch.equal(_cpu_linear(x[shift:shift + M].clone(), weight, None, packed)[:n],
+                               alone[shift:shift + n]):
+                return False
+    return True
+
+
+def bi_matmul_reference(x, weight, bias=None, packed=None):
+    """x [M, K], weight [N, K], bias [N] or None -> [M, N], by the dtype's CPU path. `packed`: the weight
+    from `pack_weight` (packed on the fly when missing: same bits, slower). On a CPU whose libraries split
+    rows differently by M at the current thread count (`threads_keep_rows`), on one thread."""
+    # is_compiling first: torch.compile cannot trace get_num_threads (a compiled graph keeps the caller's threads)
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
+        return _cpu_linear(x, weight, bias, packed)
+    threads = torch.get_num_threads()
+    if threads == 1 or threads_keep_rows(x.dtype, threads):
+        return _cpu_linear(x, weight, bias, packed)
+    torch.set_num_threads(1)
+    try:
+        return _cpu_linear(x, weight, bias, packed)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def bi_linear(x, weight, bias=None, packed=None, backend: str | None = None):

@@ -396,8 +396,11 @@ class Transformer(nn.Module):
         # rsqrt still differs from eager's in the last bit
         if self.compiled_forward is not None and self._compile_mode == mode:
             return self  # already compiled so: several LLMs sharing this model share its graphs
-        self.compiled_forward = torch.compile(self.forward_tensors, mode=mode, fullgraph=True,
-                                              options={"emulate_precision_casts": True})
+        from torch._inductor import list_mode_options
+
+        # torch.compile takes a mode or options, not both: the mode enters as its options
+        options = {**(list_mode_options(mode) if mode else {}), "emulate_precision_casts": True}
+        self.compiled_forward = torch.compile(self.forward_tensors, fullgraph=True, options=options)
         self._compile_mode = mode
         return self
 

@@ -49,6 +49,28 @@ def rows_alone_vs_batched(fn, X, sizes=(1, 2, 3, 4, 5, 8, 17, 48), shifts=(0, 1,
 
 
 # ------------------------------------------------------------------------------------------------ linear
+def test_a_cpu_whose_threads_change_rows_multiplies_on_one_thread(monkeypatch):
+    """The guard the H200 machine's host CPU needed (float32 via oneDNN changed rows at two threads): where
+    `threads_keep_rows` finds rows differ at the caller's thread count, the path runs on one thread and the
+    caller's count is restored; where they agree, or on one thread, it runs as called."""
+    seen = []
+    real, probe = bm._cpu_linear, bm.threads_keep_rows
+    monkeypatch.setattr(bm, "_cpu_linear", lambda *a: seen.append(torch.get_num_threads()) or real(*a))
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(bm, "threads_keep_rows", lambda dtype, n: False)
+        bm.bi_matmul_reference(x, w)
+        assert seen == [1] and torch.get_num_threads() == 2
+        monkeypatch.setattr(bm, "threads_keep_rows", lambda dtype, n: True)
+        bm.bi_matmul_reference(x, w)
+        assert seen == [1, 2]
+    finally:
+        torch.set_num_threads(threads)
+    assert probe.__wrapped__(torch.float32, 1)  # the probe itself (uncached): one thread agrees here
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_linear_rows_do_not_depend_on_the_call(dtype):
     g = torch.Generator().manual_seed(0)
@@ -243,6 +265,11 @@ def family_checkpoints(tmp_path_factory):
 # on a CUDA machine with TRITON_INTERPRET=0 the model test also runs on the GPU (Triton kernels, torch's CUDA
 # RMSNorm): the check this CPU-only project could not make
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and not INTERPRET else [])
+# The controls (with the mode off, some schedule differs) are facts about this project's CPU (AMD EPYC, AVX2,
+# measured): they show the tests can fail. On the GPU machine (seen 2026-12-04, H200 with its host CPU) cuBLAS
+# and the host's libraries gave these tiny models the same bits with the mode off too, so the control cannot be
+# shown there; the assertions on the mode hold everywhere.
+CONTROLS_HOLD = not torch.cuda.is_available()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -268,7 +295,8 @@ def test_model_logits_are_bitwise_batch_invariant(family_checkpoints, family, dt
     on, off = logits[True], logits[False]
     for (B, row, T, layout), got in zip(MODEL_SCHEDULES[1:], on[1:]):
         assert torch.equal(got, on[0]), f"{family} {dtype}: B={B} row={row} T={T} {layout} differs from AR"
-    assert any(not torch.equal(got, off[0]) for got in off[1:]), f"{family} {dtype}: ordinary mode already invariant"
+    if CONTROLS_HOLD:
+        assert any(not torch.equal(got, off[0]) for got in off[1:]), f"{family} {dtype}: ordinary mode invariant"
     assert torch.allclose(on[0].float(), off[0].float(), atol=0.1 if dtype == "bfloat16" else 1e-4)
 
 
@@ -389,7 +417,8 @@ def test_seeded_sampling_does_not_depend_on_the_batch(checkpoint_pairs):
         alone = llm.generate(prompt_token_ids=prompts, sampling_params=params, batch_size=1)
         same[mode] = [a.token_ids == b.token_ids for a, b in zip(together, alone)]
     assert all(same[True])
-    assert not all(same[False]), "bfloat16 sampling without the mode is already batch-invariant here"
+    if CONTROLS_HOLD:
+        assert not all(same[False]), "bfloat16 sampling without the mode is already batch-invariant here"
 
 
 # ----------------------------------------------------------------------------------- Triton (interpreter)

@@ -35,3 +35,13 @@ def test_compiled_equals_eager(pair):
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
         assert [o.token_ids for o in outs] == expected, method
         assert llm.target.compiled_forward is not None
+
+
+def test_a_compile_mode_enters_as_options(pair):
+    """`--compile` on CUDA asks for "reduce-overhead" (CUDA graphs); torch.compile refuses a mode together with
+    options (the H200 run's "Either mode or options can be specified"), so the mode goes in as its options."""
+    from specdec.models import load_model
+
+    model = load_model(pair[0], dtype="float64")
+    model.compile_forward("reduce-overhead")  # torch.compile is lazy: nothing compiles until a call
+    assert model.compiled_forward is not None and model._compile_mode == "reduce-overhead"

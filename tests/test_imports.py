@@ -121,3 +121,26 @@ def test_find_cycle_reports_the_cycle():
 def test_no_import_cycles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_source_folder_kernels_does_not_shadow_the_installed_package():
+    """From the repository root (`python -m ...` puts it first on sys.path) `import kernels` finds our
+    kernels/ folder; transformers >= 5 imports the PyPI package `kernels`, so the folder hands over to it when
+    it is installed, and otherwise stays the folder (as older transformers expect of a probe)."""
+    import subprocess
+    import sys
+
+    def run(code):
+        return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+    others = [p for p in sys.path if p and os.path.abspath(p) != REPO]
+    if any(os.path.exists(os.path.join(p, "kernels", "__init__.py")) for p in others):  # the PyPI package
+        got = run("import kernels, specdec.kernels as ours, os; "
+                  "print(os.path.dirname(kernels.__file__), os.path.dirname(ours.__file__))")
+        assert got.returncode == 0, got.stderr
+        theirs, ours = got.stdout.split()
+        assert ours == os.path.join(REPO, "kernels") and theirs != ours
+    hidden = run("import os, sys; sys.path[:] = [p for p in sys.path if os.path.abspath(p or '.') == os.getcwd() "
+                 "or not os.path.exists(os.path.join(p, 'kernels', '__init__.py'))]; import kernels; "
+                 "print(os.path.dirname(kernels.__file__))")
+    assert hidden.returncode == 0 and hidden.stdout.strip() == os.path.join(REPO, "kernels"), hidden.stderr

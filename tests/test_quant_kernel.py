@@ -104,7 +104,8 @@ def test_dispatch_runs_the_reference_on_cpu_and_the_kernel_when_asked(monkeypatc
     codes, scales, zeros = int4_weight(32, 64)
     x = torch.randn(3, 64).to(DEVICE)
     calls = []
-    monkeypatch.setattr(qm, "quant_matmul_triton", lambda *a: calls.append("triton") or qm.quant_matmul_reference(*a))
+    reference = qm.quant_matmul_reference  # the real one: the patched reference below would log "torch" too
+    monkeypatch.setattr(qm, "quant_matmul_triton", lambda *a: calls.append("triton") or reference(*a))
     monkeypatch.setattr(qm, "quant_matmul_reference", lambda *a: calls.append("torch") or torch.zeros(3, 32))
     monkeypatch.delenv("SPECDEC_KERNELS", raising=False)
     qm.quant_matmul(x, "int4", codes, scales, zeros)
@@ -196,8 +197,9 @@ def test_quantized_model_on_the_kernel_is_batch_invariant_bitwise(llama_pair, mo
     from specdec.models import load_model
     from specdec.models import quant
 
-    monkeypatch.setattr(quant.QuantRows, "module", lambda self, bias=None, device="cpu": QuantLinear(
-        self.fmt, self.codes, self.scales, self.zeros, bias, cpu_kernels=False))  # the GPU layout, on the CPU
+    if not GPU:  # the GPU layout, on the CPU (on a GPU the model is loaded there and has it already)
+        monkeypatch.setattr(quant.QuantRows, "module", lambda self, bias=None, device="cpu": QuantLinear(
+            self.fmt, self.codes, self.scales, self.zeros, bias, cpu_kernels=False))
     launches = []
 
     def kernel(*args, **kwargs):
@@ -205,12 +207,12 @@ def test_quantized_model_on_the_kernel_is_batch_invariant_bitwise(llama_pair, mo
         return qm.quant_matmul(*args, **kwargs, backend="triton")
 
     monkeypatch.setattr(quant, "quant_matmul", kernel)
-    model = load_model(llama_pair[0], quantize="int4")
+    model = load_model(llama_pair[0], quantize="int4", device=DEVICE)
     assert model.layers[0].mlp.gate_up_proj.nibbles.shape[1] == model.layers[0].mlp.gate_up_proj.in_features // 2
     rows = [[5, 17, 3, 99, 42], [7, 1, 100, 8, 8, 64, 9, 30], [11]]
     with torch.no_grad():
-        alone = [model(torch.tensor([r]), model.new_cache(1, 16), logits="last")[0, -1] for r in rows]
-        batch = torch.zeros(len(rows), 8, dtype=torch.int64)
+        alone = [model(torch.tensor([r], device=DEVICE), model.new_cache(1, 16), logits="last")[0, -1] for r in rows]
+        batch = torch.zeros(len(rows), 8, dtype=torch.int64, device=DEVICE)
         for i, r in enumerate(rows):
             batch[i, : len(r)] = torch.tensor(r)
         together = model(batch, model.new_cache(len(rows), 16), num_new=[len(r) for r in rows], logits="last")
