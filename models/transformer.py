@@ -16,6 +16,11 @@ from . import numerics
 from .cache import RAGGED, KVCache
 from .config import ModelConfig
 
+# torch.compile's cache entries of `forward_tensors`, for every compiled model of the process together (dynamo's
+# default of 8 is per code object, which all models share): 4 graphs per model (one row or several, one new
+# token or several), so a target and a draft per LLM for 8 LLMs
+COMPILED_GRAPHS = 64
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -327,8 +332,11 @@ class Transformer(nn.Module):
             for t, dims in marks:
                 for dim in dims:  # rows, new tokens and cache capacity vary: one graph for all of them
                     torch._dynamo.maybe_mark_dynamic(t, dim)
-            out = self.compiled_forward(input_ids, cache.k, cache.v, plan.positions, plan.columns, plan.mask, None,
-                                        None, False, "torch", features, hidden)
+            # dynamo counts recompilations per code object, and every compiled model shares forward_tensors'
+            # code (each instance, and each of its 4 graphs, a cache entry): room for COMPILED_GRAPHS of them
+            with torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS):
+                out = self.compiled_forward(input_ids, cache.k, cache.v, plan.positions, plan.columns, plan.mask,
+                                            None, None, False, "torch", features, hidden)
             if logits == "last":  # every row's last token is token T - 1 here (num_new is None)
                 out = (out[0][:, -1:], out[1][:, -1:] if hidden == "last" else out[1]) if hidden else out[:, -1:]
         else:  # every row's first T tokens, none of them padding: attention needs no mask (causal)

@@ -29,7 +29,7 @@ def test_compiled_equals_eager(pair):
     expected = [o.token_ids for o in LLM(target, method="ar", batch_size=1, dtype="float64", compile=False).generate(
         prompt_token_ids=prompts, sampling_params=PARAMS)]
     torch._dynamo.reset()
-    for method in ("ar", "ragged", "eqspec"):
+    for method in ("ar", "ragged", "eqspec", "exspec"):
         llm = LLM(target, None if method == "ar" else draft, method=method, num_speculative_tokens=3, batch_size=4,
                   dtype="float64", compile=True)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
@@ -45,3 +45,26 @@ def test_a_compile_mode_enters_as_options(pair):
     model = load_model(pair[0], dtype="float64")
     model.compile_forward("reduce-overhead")  # torch.compile is lazy: nothing compiles until a call
     assert model.compiled_forward is not None and model._compile_mode == "reduce-overhead"
+
+
+def test_many_compiled_models_fit_in_dynamo_s_cache(tmp_path, monkeypatch):
+    """Every compiled model shares `forward_tensors`' code, whose cache entries dynamo counts together (8 by
+    default; with fullgraph=True one more is a hard error, where bench/throughput.py --compile's exspec runs
+    stopped, on the CPU and on the H200). Three architectures (1, 2 and 3 layers) x 4 graphs (1 or 2 rows, 1 or
+    2 new tokens) run, traced by dynamo with its "eager" backend (the cache is dynamo's; inductor's code
+    generation would only add a minute)."""
+    from checkpoints import make_checkpoint
+    from specdec.models import load_model
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, fullgraph, options: compile_(fn, fullgraph=fullgraph,
+                                                                                  backend="eager"))
+    torch._dynamo.reset()
+    for layers in (1, 2, 3):
+        model = load_model(make_checkpoint("llama", tmp_path / f"l{layers}", num_hidden_layers=layers),
+                           dtype="float64").compile_forward()
+        for rows in (1, 2):
+            cache = model.new_cache(rows, 16)
+            model(torch.tensor([[5, 6, 7]] * rows), cache)  # the prefill runs eager
+            for T in (1, 2):
+                model(torch.tensor([[8] * T] * rows), cache)
