@@ -187,6 +187,9 @@ def decode_step(ctx: DecodeContext, batch: Batch) -> StepOutput:
     the engine commits it (specdec/commit.py), then the scheduler's postprocess (realignment) follows, and
     only then `ctx.step_done` times the step."""
     proposer = ctx.proposer
+    if proposer is not None and not proposer.uses_draft_model and ctx.chooser is not None and \
+            ctx.chooser.settled_at_zero(batch):
+        return target_step(ctx, batch)  # k = 0 whatever the lookup offers: it plans at its next drafting step
     plan = proposer.plan(batch, ctx.k_max) if proposer is not None else None
     # what bounds each row's drafts: a lookup's offers (a draft model, even beside a lookup, offers k everywhere)
     offers = None if plan is None or proposer.uses_draft_model else [len(d) for d in plan]

@@ -248,3 +248,59 @@ def test_draft_never_runs_where_speculation_cannot_pay_and_catches_up_where_it_c
         assert (m.draft_forwards > 0) == drafts and (m.proposed_drafts > 0) == drafts, (m.draft_forwards, drafts)
         if not drafts:
             assert set(m.k_histogram) == {0}, m.k_histogram  # every step was an AR step
+
+
+def test_settled_at_zero_only_where_every_offer_gives_k_zero():
+    """`settled_at_zero` (a lookup then skips planning) says yes only where `choose` returns 0 for any offers,
+    and never while an exploration step could be due."""
+    rng = random.Random(0)
+    for costs, alpha, settles in ((linear_costs(1e-3, 1e-3, 0.5e-3, 0.1e-3), 0.5, True),  # compute-bound
+                                  (linear_costs(10e-3, 0.05e-3, 1e-3, 0.01e-3), 0.5, False)):  # bandwidth-bound
+        chooser = KChooser(4, costs, explore_every=10)
+        chooser.offered = 100  # acceptance measured
+        batch = FakeBatch([50] * 6, [0] * 6, [20] * 6)
+        batch.draft_cache = None  # a lookup: no draft model
+        for r in batch.requests:
+            r.acceptance = [alpha * 10, 10.0]
+        assert chooser.settled_at_zero(batch) == settles
+        if not settles:
+            continue
+        assert chooser.zero_streak == 1 and chooser.last[1] == 0
+        for _ in range(200):  # whatever the rows offer, choose agrees
+            offers = [rng.choice([0, 1, 2, 4]) for _ in range(6)]
+            probe = KChooser(4, costs, explore_every=10)
+            probe.offered = 100
+            assert probe.choose(batch, offers) == 0, offers
+        chooser.zero_streak = 9  # an exploration step is due, but not even a good draft could pay here
+        assert chooser.settled_at_zero(batch)
+    # where a good draft could pay (bandwidth-bound) but these rows accept little: k = 0 unless exploring
+    costs = linear_costs(10e-3, 0.3e-3, 1e-3, 0.01e-3)
+    batch = FakeBatch([50] * 6, [0] * 6, [20] * 6)
+    batch.draft_cache = None
+    for r in batch.requests:
+        r.acceptance = [0.0, 50.0]
+    chooser = KChooser(4, costs, explore_every=10)
+    chooser.offered = 100
+    assert chooser.settled_at_zero(batch)
+    chooser.zero_streak = 9  # exploring is due and could pay: choose must see the offers
+    assert not chooser.settled_at_zero(batch)
+    assert not KChooser(4, costs).settled_at_zero(batch)  # nothing offered yet: it measures acceptance first
+
+
+def test_a_lookup_does_not_plan_while_auto_k_is_settled_at_zero(pair, reference, monkeypatch):
+    """Where verifying never pays, a lookup's plan runs only on the steps that measure acceptance (exploration),
+    not on every step; the output stays AR's."""
+    from specdec.proposers import base
+
+    prompts, expected = reference
+    planned = []
+    real = base.LookupProposer.plan
+    monkeypatch.setattr(base.LookupProposer, "plan", lambda self, batch, k: planned.append(1) or real(self, batch, k))
+    llm = LLM(pair[0], draft="suffix", method="ragged", num_speculative_tokens="auto", max_speculative_tokens=4,
+              batch_size=4, dtype="float64", check_invariants=True, cost_cache="")
+    llm.chooser = GivenCostChooser(4, linear_costs(1e-5, 1e-3, 0.5e-3, 0.1e-3))  # every token costs: k = 0 pays
+    llm.chooser.offered = 100  # acceptance already measured: no exploration at the start
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+    assert [o.token_ids for o in outs] == expected
+    steps = outs.metrics.steps
+    assert set(outs.metrics.k_histogram) == {0} and len(planned) < steps / 8, (len(planned), steps)
