@@ -20,7 +20,9 @@
   speculation switches itself off. A draft that has fallen behind (after k = 0 steps, or never prefilled:
   with auto k the draft's prefill waits until the chooser drafts, `DecodeContext.prefill_draft`) must
   first catch up on T0 > 2 tokens per row, a one-off cost: k* > 0 is kept only if drafting saves more
-  than that over the tokens the batch has left to produce.
+  than that over the tokens the batch has left to produce. With a lookup proposer, a step where k = 0 wins
+  even if every row offered k drafts (and no exploration is due) is taken without asking the lookup to plan
+  (`settled_at_zero`).
 - **Exploration.** Until some drafts have been offered, and after `explore_every` steps in a row at
   k = 0, one step with the best k >= 1 measures the acceptance (new requests would otherwise never be
   measured) -- but only where a good draft (acceptance EXPLORE_ACCEPTANCE) could pay back the catch-up
