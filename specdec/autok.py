@@ -332,6 +332,17 @@ class KChooser:
         return self.last[1] > 0
 
     # ------------------------------------------------------------------------------------- choice
+    def explores(self, alphas: list[float], B: int, zero_streak: int, first_draft_tokens: int, tokens: int,
+                 offers=None) -> bool:
+        """Whether a k = 0 step (the `zero_streak`-th in a row) turns into an exploration step: while acceptance
+        is still unmeasured, then every `explore_every` steps, and only where a good draft (acceptance
+        EXPLORE_ACCEPTANCE) could pay back its catch-up over `tokens`."""
+        if self.offered >= 4 * self.k_max and zero_streak < self.explore_every:
+            return False
+        hopeful = [max(a, EXPLORE_ACCEPTANCE) for a in alphas]
+        return self.pays_back(hopeful, B, self.best_k(hopeful, B, least=1, offers=offers), first_draft_tokens,
+                              tokens, offers)
+
     def settled_at_zero(self, batch) -> bool:
         """Whether the next step is k = 0 whatever a lookup proposer would offer, so that it need not plan (its
         tries cost 12.6 ms of a 225 ms step at batch 32 on SmolLM2, every step): no k >= 1 wins even with
@@ -343,10 +354,8 @@ class KChooser:
         alphas = [self.alpha(r) for r in batch.requests]
         if self.best_k(alphas, B):
             return False
-        if self.offered < 4 * self.k_max or self.zero_streak + 1 >= self.explore_every:  # `choose` explores
-            hopeful = [max(a, EXPLORE_ACCEPTANCE) for a in alphas]  # if a good draft could pay (no catch-up)
-            if self.pays_back(hopeful, B, self.best_k(hopeful, B, least=1), 2, tokens=0):
-                return False
+        if self.explores(alphas, B, self.zero_streak + 1, first_draft_tokens=2, tokens=0):  # (no catch-up)
+            return False
         self.zero_streak += 1
         self.last = (B, 0, 2, self.step_time(B, 0))
         return True
@@ -367,11 +376,8 @@ class KChooser:
             k = 0
         if k == 0:
             self.zero_streak += 1
-            if self.offered < 4 * self.k_max or self.zero_streak >= self.explore_every:  # measure acceptance first,
-                # then refresh the estimates now and then; only where a good draft could pay for it
-                hopeful = [max(a, EXPLORE_ACCEPTANCE) for a in alphas]
-                if self.pays_back(hopeful, B, self.best_k(hopeful, B, least=1, offers=offers), first, left, offers):
-                    k = self.best_k(alphas, B, least=1, offers=offers)
+            if self.explores(alphas, B, self.zero_streak, first, left, offers):
+                k = self.best_k(alphas, B, least=1, offers=offers)
         if k:
             self.zero_streak = 0
         width = self.verify_k(k, offers)
