@@ -33,7 +33,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .dispatch import cdiv, check, choose_backend, lazy_jit
+from .dispatch import cdiv, check, choose_backend, lazy_jit, one_thread
 
 tl = None  # triton.language, bound when this module's first kernel is launched (see dispatch.lazy_jit)
 
@@ -133,11 +133,8 @@ def bi_matmul_reference(x, weight, bias=None, packed=None):
     threads = torch.get_num_threads()
     if threads == 1 or threads_keep_rows(x.dtype, threads):
         return _cpu_linear(x, weight, bias, packed)
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return _cpu_linear(x, weight, bias, packed)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def bi_linear(x, weight, bias=None, packed=None, backend: str | None = None):

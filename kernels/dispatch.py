@@ -7,6 +7,7 @@ how the kernel tests run without a GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -100,3 +101,14 @@ def next_power_of_2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch runs one intra-op thread inside the block (the caller's count is restored after it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -20,7 +20,6 @@ measurements; see docs/design.md ("Batch-invariant numerics") for what is and is
 """
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
@@ -29,7 +28,7 @@ from torch import nn
 
 from specdec.kernels.bi_attention import Workspace, bi_attention, chunk_plan, first_keys
 from specdec.kernels.bi_matmul import bi_linear, pack_weight
-from specdec.kernels.dispatch import choose_backend
+from specdec.kernels.dispatch import choose_backend, one_thread
 
 from .quant import QuantLinear
 
@@ -145,17 +144,6 @@ def packing_pays(model, limit_bytes: int = PACKED_LINEAR_LIMIT_BYTES) -> bool:
         return False
     linear_bytes = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear))
     return linear_bytes <= limit_bytes
-
-
-@contextlib.contextmanager
-def one_thread():
-    """torch runs one intra-op thread inside the block (the caller's count is restored after it)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def serial(q, width: int) -> bool:
