@@ -636,7 +636,7 @@ def main(argv=None):
     transformers.logging.set_verbosity_error()
     if args.threads:
         torch.set_num_threads(args.threads)
-    compiling = any(v.compile for v in args.variants)  # (room for every model's graphs: models/transformer.py)
+    compiling = any(v.compile for v in args.variants)
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
 

@@ -332,11 +332,8 @@ class Transformer(nn.Module):
             for t, dims in marks:
                 for dim in dims:  # rows, new tokens and cache capacity vary: one graph for all of them
                     torch._dynamo.maybe_mark_dynamic(t, dim)
-            # dynamo counts recompilations per code object, and every compiled model shares forward_tensors'
-            # code (each instance, and each of its 4 graphs, a cache entry): room for COMPILED_GRAPHS of them
-            with torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS):
-                out = self.compiled_forward(input_ids, cache.k, cache.v, plan.positions, plan.columns, plan.mask,
-                                            None, None, False, "torch", features, hidden)
+            out = self.compiled_forward(input_ids, cache.k, cache.v, plan.positions, plan.columns, plan.mask, None,
+                                        None, False, "torch", features, hidden)
             if logits == "last":  # every row's last token is token T - 1 here (num_new is None)
                 out = (out[0][:, -1:], out[1][:, -1:] if hidden == "last" else out[1]) if hidden else out[:, -1:]
         else:  # every row's first T tokens, none of them padding: attention needs no mask (causal)
@@ -408,6 +405,10 @@ class Transformer(nn.Module):
 
         # torch.compile takes a mode or options, not both: the mode enters as its options
         options = {**(list_mode_options(mode) if mode else {}), "emulate_precision_casts": True}
+        # dynamo counts recompilations per code object, and every compiled model shares forward_tensors' code
+        # (each architecture, and each of its 4 graphs, a cache entry): room for COMPILED_GRAPHS of them, set
+        # once here (a context around every compiled call cost 15 us a forward); a larger setting is kept
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_GRAPHS)
         self.compiled_forward = torch.compile(self.forward_tensors, fullgraph=True, options=options)
         self._compile_mode = mode
         return self
