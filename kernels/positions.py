@@ -26,20 +26,22 @@ tl = None  # triton.language, bound when this module's first kernel is launched 
 class StepPlan:
     positions: torch.Tensor  # [B, T] int64, RoPE positions
     columns: torch.Tensor  # [B, T] int64, cache columns written
-    mask: torch.Tensor  # [B, T, W] bool, True = may attend
+    mask: torch.Tensor | None  # [B, T, W] bool, True = may attend (None: not asked for)
     width: int  # W: columns 0..W-1 of the cache take part in attention
     num_new: torch.Tensor  # [B] int64, real tokens per row
     host_num_new: list[int] | None = None  # the same on the host (set by KVCache.plan)
-    first_column: int | None = None  # the write column of token 0 when every row writes the same columns
 
 
-def step_plan_reference(start, length, num_new, T: int, left_padded: bool, width: int):
-    """Torch reference: returns (positions [B, T], columns [B, T], mask [B, T, W])."""
+def step_plan_reference(start, length, num_new, T: int, left_padded: bool, width: int, mask: bool = True):
+    """Torch reference: returns (positions [B, T], columns [B, T], mask [B, T, W] or None without `mask`)."""
     j = torch.arange(T, device=start.device)  # [T]
-    offset = (T - num_new) if left_padded else torch.zeros_like(num_new)  # [B]
-    index = length[:, None] + j[None, :] - offset[:, None]  # [B, T] logical index
+    index = length[:, None] + j  # [B, T] logical index
+    if left_padded:
+        index = index - (T - num_new)[:, None]
     columns = start[:, None] + index  # [B, T]
     positions = index.clamp(min=0)  # [B, T]
+    if not mask:
+        return positions, columns, None
     c = torch.arange(width, device=start.device)  # [W]
     visible = (c[None, None, :] >= start[:, None, None]) & (c[None, None, :] <= columns[:, :, None])  # [B, T, W]
     mask = visible | (c[None, None, :] == columns[:, :, None])  # [B, T, W]
@@ -47,11 +49,12 @@ def step_plan_reference(start, length, num_new, T: int, left_padded: bool, width
 
 
 def step_plan(start, length, T: int, num_new=None, left_padded: bool = False, backend: str | None = None,
-              width: int | None = None) -> StepPlan:
+              width: int | None = None, mask: bool = True) -> StepPlan:
     """Validate and dispatch. `start`, `length`, `num_new`: [B] int64 on the cache's device.
 
     `width`: the mask's W, known on the host by the caller (`KVCache.plan` keeps host copies of start and
-    length); when None it is read from the device (one synchronisation: tools and tests only)."""
+    length); when None it is read from the device (one synchronisation: tools and tests only). `mask`
+    False: positions and columns only (the plan's mask is None)."""
     B = start.shape[0]
     if num_new is None:
         num_new = torch.full((B,), T, dtype=torch.int64, device=start.device)
@@ -64,10 +67,11 @@ def step_plan(start, length, T: int, num_new=None, left_padded: bool = False, ba
         last = start + length + (num_new if left_padded else torch.full_like(num_new, T))  # [B] one past last column
         width = int(last.max()) if B else 0
     if choose_backend(start, backend) == "triton":
-        positions, columns, mask = step_plan_triton(start, length, num_new, T, left_padded, width)
+        positions, columns, visible = step_plan_triton(start, length, num_new, T, left_padded, width if mask else 0)
+        visible = visible if mask else None
     else:
-        positions, columns, mask = step_plan_reference(start, length, num_new, T, left_padded, width)
-    return StepPlan(positions, columns, mask, width, num_new)
+        positions, columns, visible = step_plan_reference(start, length, num_new, T, left_padded, width, mask)
+    return StepPlan(positions, columns, visible, width, num_new)
 
 
 @lazy_jit

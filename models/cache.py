@@ -1,4 +1,5 @@
-"""The KV cache: per layer K and V `[B, H_kv, C, D]` (stored as one `[L, B, H_kv, C, D]` tensor each),
+"""The KV cache: per layer K and V `[B, H_kv, C, D]`, stored together as one `[L, 2, B, H_kv, C, D]` tensor
+(`kv`; `k` and `v` are its views `[L, B, H_kv, C, D]`, so a forward writes a layer's K and V with one op),
 plus per row `start[i]` and `length[i]`: row i's logical token t lives at column `start[i] + t`.
 
 Two layouts share this class (see docs/design.md):
@@ -33,10 +34,11 @@ def _as_host(values) -> list[int]:
 
 
 class KVCache:
-    def __init__(self, k, v, start, length, layout: str, host_start=None, host_length=None):
+    def __init__(self, kv, start, length, layout: str, host_start=None, host_length=None):
+        """kv: [L, 2, B, H_kv, C, D] (K at index 0 of dim 1, V at 1), rows in use = all B."""
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        self._use(k, v, k.shape[1])  # self.k, self.v: [L, B, H_kv, C, D]
+        self._use(kv, kv.shape[2])  # self.kv [L, 2, B, H_kv, C, D]; self.k, self.v: [L, B, H_kv, C, D]
         self.layout = layout
         self._start = start  # [B] int64, device
         self._length = length  # [B] int64, device
@@ -46,10 +48,10 @@ class KVCache:
 
     @classmethod
     def allocate(cls, num_layers, batch_size, num_kv_heads, capacity, head_dim, dtype, device, layout=RAGGED):
-        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
+        shape = (num_layers, 2, batch_size, num_kv_heads, capacity, head_dim)
         zeros = torch.zeros(batch_size, dtype=torch.int64, device=device)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
-                   zeros, zeros.clone(), layout, [0] * batch_size, [0] * batch_size)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), zeros, zeros.clone(), layout, [0] * batch_size,
+                   [0] * batch_size)
 
     # -------------------------------------------------------------------------------- row state
     @property
@@ -77,11 +79,11 @@ class KVCache:
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return self.kv.shape[2]
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.kv.shape[4]
 
     @property
     def left_padded(self) -> bool:
@@ -101,10 +103,11 @@ class KVCache:
                       torch.zeros(len(lengths), dtype=torch.int64, device=device), [0] * len(lengths))
 
     # ------------------------------------------------------------------------------------- step
-    def plan(self, T: int, num_new=None, full_width: bool = False) -> StepPlan:
+    def plan(self, T: int, num_new=None, full_width: bool = False, mask: bool = True) -> StepPlan:
         """Positions, write columns and mask for T new tokens per row (`num_new[i]` real ones; a host
         list, default T for every row). `full_width`: attend over all C columns (a shape that does not
-        change from step to step, for compiled forwards) instead of the columns in use."""
+        change from step to step, for compiled forwards) instead of the columns in use. `mask` False: no
+        mask (the forward knows when attention needs none)."""
         B = self.batch_size
         host_new = [T] * B if num_new is None else _as_host(num_new)
         if len(host_new) != B:
@@ -120,10 +123,8 @@ class KVCache:
         new = (torch.full((B,), T, dtype=torch.int64, device=device) if num_new is None
                else torch.tensor(host_new, dtype=torch.int64, device=device))  # [B]
         plan = step_plan(self._start, self._length, T, new, self.left_padded,
-                         width=self.capacity if full_width else width, backend=self.backend)
+                         width=self.capacity if full_width else width, backend=self.backend, mask=mask)
         plan.host_num_new = host_new
-        firsts = {e - (T - n if self.left_padded else 0) for e, n in zip(self.host_end, host_new)}
-        plan.first_column = firsts.pop() if len(firsts) == 1 else None  # every row writes the same columns
         return plan
 
     def advance(self, plan: StepPlan) -> None:
@@ -156,21 +157,19 @@ class KVCache:
     # others; the storage itself is copied only when it must grow (`reserve_rows`, `grow`).
     @property
     def reserved_rows(self) -> int:
-        return self._k_all.shape[1]
+        return self._kv_all.shape[2]
 
-    def _use(self, k_all, v_all, rows: int) -> None:
-        self._k_all, self._v_all = k_all, v_all  # [L, R, H_kv, C, D] storage
-        self.k, self.v = k_all[:, :rows], v_all[:, :rows]  # [L, B, H_kv, C, D] views: the rows in use
+    def _use(self, kv_all, rows: int) -> None:
+        self._kv_all = kv_all  # [L, 2, R, H_kv, C, D] storage
+        self.kv = kv_all[:, :, :rows]  # [L, 2, B, H_kv, C, D] view: the rows in use
+        self.k, self.v = self.kv[:, 0], self.kv[:, 1]  # [L, B, H_kv, C, D] views
 
     def _restore(self, rows: int, capacity: int) -> None:
         """New zero storage of `rows` slots and `capacity` columns holding the rows in use (one copy of them)."""
-        L, B, H, C, D = self.k.shape
-        storage = []
-        for old in (self.k, self.v):
-            new = torch.zeros(L, rows, H, capacity, D, dtype=old.dtype, device=old.device)  # [L, R, H_kv, C', D]
-            new[:, :B, :, :C] = old
-            storage.append(new)
-        self._use(*storage, B)
+        L, two, B, H, C, D = self.kv.shape
+        new = torch.zeros(L, two, rows, H, capacity, D, dtype=self.kv.dtype, device=self.kv.device)  # [L, 2, R, H_kv, C', D]
+        new[:, :, :B, :, :C] = self.kv
+        self._use(new, B)
 
     def reserve_rows(self, rows: int) -> None:
         """Room for `rows` rows without copying the cache again (copies the rows in use once, if it grows)."""
@@ -182,7 +181,7 @@ class KVCache:
         = 0; their columns hold zeros or a released row's values, finite and never attended)."""
         B = self.batch_size
         self.reserve_rows(rows)
-        self.k, self.v = self._k_all[:, :rows], self._v_all[:, :rows]
+        self._use(self._kv_all, rows)
         if rows <= B:
             self.set_rows(self._start[:rows], self.host_start[:rows], self._length[:rows], self.host_length[:rows])
         else:
@@ -199,12 +198,11 @@ class KVCache:
             raise ValueError(f"take_rows: a row moves into a row that is still kept ({order})")
         for i, j in moved:
             s, n = self.host_start[j], self.host_length[j]
-            for t in (self.k, self.v):
-                t[:, i, :, s:s + n].copy_(t[:, j, :, s:s + n])  # [L, H_kv, n, D]
+            self.kv[:, :, i, :, s:s + n].copy_(self.kv[:, :, j, :, s:s + n])  # [L, 2, H_kv, n, D]
         index = torch.tensor(order, dtype=torch.int64, device=self.k.device)  # [b]
         self.set_rows(self._start.index_select(0, index), [self.host_start[j] for j in order],
                       self._length.index_select(0, index), [self.host_length[j] for j in order])
-        self.k, self.v = self._k_all[:, :len(order)], self._v_all[:, :len(order)]
+        self._use(self._kv_all, len(order))
 
     def load_rows(self, rows: list[int], other: "KVCache", starts: list[int] | None = None) -> None:
         """Copy every row of `other` (a freshly prefilled cache) into rows `rows` (host indices) of this one:
@@ -213,8 +211,7 @@ class KVCache:
         for i, (row, s, n, dest) in enumerate(zip(rows, other.host_start, other.host_length, starts)):
             if dest < 0 or dest + n > self.capacity:
                 raise ValueError(f"load_rows: row {row} would leave the cache's {self.capacity} columns")
-            self.k[:, row, :, dest:dest + n].copy_(other.k[:, i, :, s:s + n])  # [L, H_kv, n, D]
-            self.v[:, row, :, dest:dest + n].copy_(other.v[:, i, :, s:s + n])
+            self.kv[:, :, row, :, dest:dest + n].copy_(other.kv[:, :, i, :, s:s + n])  # [L, 2, H_kv, n, D]
         index = torch.tensor(rows, dtype=torch.int64, device=self.k.device)  # [b]
         self._start = self._start.index_copy(0, index, torch.tensor(starts, dtype=torch.int64, device=self.k.device))
         self._length = self._length.index_copy(0, index, other.length)
@@ -231,13 +228,12 @@ class KVCache:
         logical token t at column offsets[i] + t: a left-padded cache over the buffer's storage. One slice
         copy per row (index_select on these strided views takes a slow path on the CPU)."""
         g = len(rows)
-        k, v = buffer.k[:, :g, :, :width], buffer.v[:, :g, :, :width]  # [L, g, H_kv, width, D] views
+        kv = buffer.kv[:, :, :g, :, :width]  # [L, 2, g, H_kv, width, D] view
         lengths = [self.host_length[r] for r in rows]
         for i, (row, n, o) in enumerate(zip(rows, lengths, offsets)):
-            k[:, i, :, o:o + n].copy_(self.k[:, row, :, :n])
-            v[:, i, :, o:o + n].copy_(self.v[:, row, :, :n])
+            kv[:, :, i, :, o:o + n].copy_(self.kv[:, :, row, :, :n])  # [L, 2, H_kv, n, D]
         index = torch.tensor(rows, dtype=torch.int64, device=self.k.device)  # [g]
-        cache = KVCache(k, v, torch.tensor(offsets, dtype=torch.int64, device=self.k.device),
+        cache = KVCache(kv, torch.tensor(offsets, dtype=torch.int64, device=self.k.device),
                         self._length.index_select(0, index), LEFT_PADDED, offsets, lengths)
         cache.backend = self.backend
         return cache
@@ -247,8 +243,7 @@ class KVCache:
         firsts[i]..length back into row rows[i] (start = 0), and its length."""
         for i, (row, first, n) in enumerate(zip(rows, firsts, batch.host_length)):
             src = batch.host_start[i] + first
-            self.k[:, row, :, first:n].copy_(batch.k[:, i, :, src:src + n - first])
-            self.v[:, row, :, first:n].copy_(batch.v[:, i, :, src:src + n - first])
+            self.kv[:, :, row, :, first:n].copy_(batch.kv[:, :, i, :, src:src + n - first])  # [L, 2, H_kv, n', D]
         index = torch.tensor(rows, dtype=torch.int64, device=self.k.device)  # [g]
         self._length.index_copy_(0, index, batch.length)
         for row, n in zip(rows, batch.host_length):

@@ -129,9 +129,9 @@ class FeatureDraft(Transformer):
     @torch.no_grad()
     def layer0_kv(self, token_ids, positions, features=None):
         """K/V of layer 0 for tokens [B, T] at positions [B, T] with their features [B, T, E] (invariants)."""
-        cos, sin = self.rope(positions)
         layer = self.layers[0]
-        _, k, v = layer.self_attn.qkv(layer.input_layernorm(self.embed(token_ids, features)), cos, sin)
+        _, k, v = layer.self_attn.qkv(layer.input_layernorm(self.embed(token_ids, features)),
+                                      *self.rope_heads(positions))
         return k, v
 
     def own_state(self) -> dict[str, torch.Tensor]:

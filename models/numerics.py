@@ -30,7 +30,7 @@ from specdec.kernels.bi_attention import Workspace, bi_attention, chunk_plan, fi
 from specdec.kernels.bi_matmul import bi_linear, pack_weight
 from specdec.kernels.dispatch import choose_backend, one_thread
 
-from .quant import QuantLinear
+from .quant import COMPUTE_DTYPE, QuantLinear
 
 # CPU float32 linear layers with M = B*T >= 2 rows: MKL's small-M GEMM costs ~M times its one-row GEMV
 # (M = 2..8 measured 1.8-2.9x the time of M = 1 at K = 384, N = 1536), oneDNN's blocked kernel on a
@@ -69,19 +69,37 @@ def row_keys(mask, workspace: Workspace | None = None) -> RowKeys:
     return RowKeys(mask, first_keys(mask), {}, workspace)
 
 
-def packed_weight(layer: nn.Linear):
+def packed_weight(layer: nn.Linear, part: int | None = None, parts: int = 2):
     """The layer's weight packed for the CPU float32 path (`bi_matmul.pack_weight`), packed at first use and
-    again when the weight changes (dtype, device, storage or in-place version); None for other paths."""
+    again when the weight changes (dtype, device, storage or in-place version); None for other paths.
+    `part`: only rows part * N / parts .. (part + 1) * N / parts (the gate or the up half of a fused gate_up)."""
     weight = layer.weight
     try:
         version = weight._version
     except RuntimeError:  # inference tensors keep no version counter
         version = None
     key = (weight.dtype, weight.device, weight.data_ptr(), tuple(weight.shape), version)
-    cached = layer.__dict__.get("bi_packed")
+    name = "bi_packed" if part is None else f"bi_packed_{part}_of_{parts}"
+    cached = layer.__dict__.get(name)
     if cached is None or cached[0] != key:
+        if part is not None:
+            n = weight.shape[0] // parts
+            weight = weight[part * n:(part + 1) * n]  # [N / parts, K]
         cached = (key, pack_weight(weight))
-        layer.bi_packed = cached
+        layer.__dict__[name] = cached
+    return cached[1]
+
+
+def transposed_weight(layer: nn.Linear):
+    """layer.weight.t() [K, N], kept on the layer (a view: `torch.addmm` takes it without a per-call op)."""
+    weight = layer.weight
+    if torch.compiler.is_compiling() or (weight.requires_grad and torch.is_grad_enabled()):
+        return weight.t()  # a compiled graph (no data_ptr there), or training: a view made now, in the graph
+    key = (weight.data_ptr(), weight.dtype, weight.device, tuple(weight.shape))  # `.to()` swaps a parameter's data
+    cached = layer.__dict__.get("weight_t")
+    if cached is None or cached[0] != key:
+        cached = (key, weight.t())
+        layer.__dict__["weight_t"] = cached
     return cached[1]
 
 
@@ -89,32 +107,94 @@ def drop_packed_weights(model: nn.Module) -> None:
     """Free the packed copies (kept when the batch-invariant mode is switched off, so that switching back
     costs nothing; `Transformer.packed_linear = False` frees them unless that mode uses them)."""
     for module in model.modules():
-        module.__dict__.pop("bi_packed", None)
+        for name in [n for n in module.__dict__ if n.startswith("bi_packed")]:
+            del module.__dict__[name]
 
 
-def linear(layer: nn.Linear, x, invariant: bool, backend: str | None = None, packed: bool = False):
+def linear(layer: nn.Linear, x, invariant: bool, backend: str | None = None, packed: bool = False,
+           promoted: bool = False):
     """`layer(x)`, or its batch-invariant equivalent (same weights, a fixed summation order per row), or
-    with `packed` (ordinary mode, CPU float32, two or more rows) oneDNN on the layer's packed weight. A
-    quantized layer (models/quant.py) runs its own weight-only kernels, batch-invariant as they are."""
+    with `packed` (ordinary mode, CPU float32, up to PACKED_MAX_ROWS rows) oneDNN on the layer's packed weight. A
+    quantized layer (models/quant.py) runs its own weight-only kernels, batch-invariant as they are; with
+    `promoted` (the caller only adds or multiplies the output into x's dtype, where promotion converts it
+    exactly) it returns what its kernel computes, without a cast."""
     if isinstance(layer, QuantLinear):
-        return layer(x, invariant)
+        return layer(x, invariant, layer_dtype(layer) if promoted else None)
     if invariant:
         return bi_linear(x, layer.weight, layer.bias, packed=packed_weight(layer), backend=backend)
-    if packed and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling():
-        rows = x.numel() // x.shape[-1]
-        weight = packed_weight(layer) if 2 <= rows <= PACKED_MAX_ROWS else None  # 1 row: MKL's GEMV is faster
-        if weight is not None:
-            x2 = x.reshape(rows, x.shape[-1])  # [M, K]
-            padded = packed_rows(rows)
-            if padded != rows:
-                x2 = F.pad(x2, (0, 0, 0, padded - rows))  # [M', K]: zero rows up to the bucket
-            out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), weight, layer.bias, "none", [], "")  # [M', N]
-            return out[:rows].view(*x.shape[:-1], out.shape[-1])
+    if packed and _packed_path(x):
+        return _onednn(x, packed_weight(layer), layer.bias)
     return layer(x)
 
 
+def linear_add(layer: nn.Linear, x, residual, invariant: bool, backend: str | None = None, packed: bool = False):
+    """residual + layer(x) for x [M, K] and residual [M, N], in one op where the path has one: oneDNN's
+    linear with a sum post-op on the packed weight (CPU float32), else `addmm` on the transposed weight
+    (float32 only: float64 keeps the product, then the sum, so that its last bits are HF's -- the float32
+    RMSNorm HF runs inside a float64 model would otherwise round some of them the other way)."""
+    if packed and not invariant and not isinstance(layer, QuantLinear) and _packed_path(x):
+        return _onednn(x, packed_weight(layer), layer.bias, residual, "add")
+    if invariant or layer.bias is not None or isinstance(layer, QuantLinear) or x.dim() != 2 \
+            or x.dtype != torch.float32:
+        return residual + linear(layer, x, invariant, backend, packed, promoted=True)
+    return torch.addmm(residual, x, transposed_weight(layer))  # [M, N]
+
+
+def gated_mlp(gate_up: nn.Linear, down: nn.Linear, x, residual, invariant: bool, backend: str | None = None,
+              packed: bool = False):
+    """residual + down(silu(gate(x)) * up(x)) for x [M, E] (gate_up: the fused [2I, E] projection, gate first).
+    CPU float32 with packed weights: three oneDNN ops (gate with a swish post-op, up with a product post-op,
+    down with a sum post-op); else gate_up, SiLU, the product and `linear_add`."""
+    if packed and not invariant and not isinstance(gate_up, QuantLinear) and gate_up.bias is None \
+            and _packed_path(x):
+        act = _onednn(x, packed_weight(gate_up, 0), None, attr="swish")  # [M, I] silu(gate)
+        act = _onednn(x, packed_weight(gate_up, 1), None, act, "mul")  # [M, I] silu(gate) * up
+        return linear_add(down, act, residual, invariant, backend, packed)
+    if isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear) and gate_up.on_cpu and down.on_cpu:
+        # the kernels' own dtype throughout: bfloat16's F.silu is batch-invariant (module docstring)
+        gate, up = gate_up(x, invariant, COMPUTE_DTYPE).chunk(2, dim=-1)  # [M, I] each, bfloat16
+        return residual + down(F.silu(gate) * up, invariant, COMPUTE_DTYPE)
+    gate, up = linear(gate_up, x, invariant, backend, packed).chunk(2, dim=-1)  # [M, I] each
+    return linear_add(down, silu(gate, invariant) * up, residual, invariant, backend, packed)
+
+
+def layer_dtype(layer: QuantLinear) -> torch.dtype:
+    """The dtype a quantized layer's kernel computes in (bfloat16 on the CPU; the activations' elsewhere)."""
+    return COMPUTE_DTYPE if layer.on_cpu else None
+
+
+def _packed_path(x) -> bool:
+    """Whether x [M, K] takes the packed oneDNN path: CPU float32, eager, 1..PACKED_MAX_ROWS rows."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+            and x.numel() // x.shape[-1] <= PACKED_MAX_ROWS)
+
+
+def _onednn(x, weight, bias, other=None, attr: str = "none"):
+    """oneDNN's linear on a packed weight, x [..., K] -> [..., N], with a unary post-op (`attr` "none",
+    "swish") or, given `other` [..., N], a binary one ("add", "mul": the linear's output op `other`). Rows
+    above PACKED_EXACT_ROWS are padded to a bucket (PACKED_ROW_STEP)."""
+    flat = x.dim() == 2  # the forward's [M, K]: no reshapes
+    rows = x.shape[0] if flat else x.numel() // x.shape[-1]
+    x2 = x if flat else x.reshape(rows, x.shape[-1])  # [M, K]
+    o2 = other if other is None or other.dim() == 2 else other.reshape(rows, other.shape[-1])  # [M, N]
+    padded = packed_rows(rows)
+    if padded != rows:
+        x2 = F.pad(x2, (0, 0, 0, padded - rows))  # [M', K]: zero rows up to the bucket
+        o2 = None if o2 is None else F.pad(o2, (0, 0, 0, padded - rows))  # [M', N]
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    if o2 is None:
+        out = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, attr, [], "")  # [M', N]
+    else:
+        out = torch.ops.mkldnn._linear_pointwise.binary(x2, o2 if o2.is_contiguous() else o2.contiguous(), weight,
+                                                        bias, attr)  # [M', N]
+    if padded != rows:
+        out = out[:rows]
+    return out if flat else out.view(*x.shape[:-1], out.shape[-1])
+
+
 def packed_rows(rows: int) -> int:
-    """The row count the packed path runs `rows` (2..PACKED_MAX_ROWS) token rows as (see PACKED_ROW_STEP)."""
+    """The row count the packed path runs `rows` (1..PACKED_MAX_ROWS) token rows as (see PACKED_ROW_STEP)."""
     return rows if rows <= PACKED_EXACT_ROWS else -(-rows // PACKED_ROW_STEP) * PACKED_ROW_STEP
 
 
@@ -125,7 +205,7 @@ def warm_packed(model) -> int:
     if not getattr(model, "packed_linear", False):
         return 0
     calls = 0
-    buckets = sorted({packed_rows(m) for m in range(2, PACKED_MAX_ROWS + 1)})
+    buckets = sorted({packed_rows(m) for m in range(1, PACKED_MAX_ROWS + 1)})
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
@@ -154,18 +234,32 @@ def serial(q, width: int) -> bool:
             and q.device.type == "cpu" and torch.get_num_threads() > 1)
 
 
-def sdpa(q, k_cache, v_cache, attn_bias, gqa: bool):
-    """Ordinary attention of q [B, H, T, D] over caches [B, H_kv, C, D]: SDPA with the additive mask
-    attn_bias [B, 1, T, W] over columns 0..W-1, or (attn_bias None) causal over columns 0..T-1. On a CPU
-    with several threads, a call of at most SERIAL_ATTENTION_WORK (B H T W) runs on one (see there)."""
-    T = q.shape[2]
-    W = T if attn_bias is None else attn_bias.shape[-1]
-    k, v = k_cache[:, :, :W], v_cache[:, :, :W]  # [B, H_kv, W, D]
-    mask = {"is_causal": True} if attn_bias is None else {"attn_mask": attn_bias}
-    if serial(q, W):
+def sdpa(q, k, v, attn_bias, gqa: bool, causal: bool = False):
+    """Ordinary attention of q [B, H, T, D] over k/v [B, H_kv, W, D] (the caches' first W columns): SDPA with
+    the additive mask attn_bias [B, 1, T, W], or (attn_bias None) causal (`causal`: W = T, a prefill from
+    column 0) or unmasked (every query sees all W columns: a one-token step of rows that all end at W). On a
+    CPU with several threads, a call of at most SERIAL_ATTENTION_WORK (B H T W) runs on one (see there)."""
+    mask = {"attn_mask": attn_bias} if attn_bias is not None else {"is_causal": causal}
+    if serial(q, k.shape[2]):
         with one_thread():
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **mask)  # [B, H, T, D]
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **mask)  # [B, H, T, D]
+
+
+def rms_norm(x, weight, eps: float):
+    """HF's RMSNorm: normalise in float32, cast back to x's dtype, then scale by `weight`. In float32 one op
+    (`F.rms_norm` gives the same bits as the chain: tests/test_models.py); other dtypes the chain's order."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def rotate(x, cos, sin, perm):
+    """RoPE of x [B, T, heads, D] as one formula for every layout: x * cos + x[..., perm] * sin, where the tables
+    (`Transformer.rope_heads`) fold rotate-half's (or rotate-pairs') sign into `sin` and pass the dimensions and
+    heads that are not rotated (partial rotary, V) through with cos 1 and sin 0. The same bits as HF's
+    `x * cos + rotate_half(x) * sin` (a sign flip is exact; each product rounds once, then the sum)."""
+    return x * cos + x.index_select(-1, perm) * sin  # [B, T, heads, D]
 
 
 def silu(x, invariant: bool):

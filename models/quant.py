@@ -153,12 +153,14 @@ class QuantLinear(nn.Module):
             return out[:, : self.out_features].t().to(dtype)
         return dequantize_int4(unpack_nibbles(self.nibbles), self.scales, self.zeros, dtype)
 
-    def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
-        """y [..., N] in x's dtype. One path for every row count (each row computed on its own), so a
-        token's result never depends on what else is in the matmul; `invariant` needs nothing more. (Not so
-        for quant_matmul's torch reference, which runs off the CPU only where Triton does not: a device
-        other than CUDA, or SPECDEC_KERNELS=torch.)"""
+    def forward(self, x: torch.Tensor, invariant: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """y [..., N] in `out_dtype` (default x's dtype; the CPU kernels compute in bfloat16, and a caller that
+        adds or multiplies the output into float32 anyway may take it so: promotion converts it exactly). One
+        path for every row count (each row computed on its own), so a token's result never depends on what
+        else is in the matmul; `invariant` needs nothing more. (Not so for quant_matmul's torch reference, which
+        runs off the CPU only where Triton does not: a device other than CUDA, or SPECDEC_KERNELS=torch.)"""
         shape = x.shape
+        out_dtype = x.dtype if out_dtype is None else out_dtype
         if not self.on_cpu:  # kernels/quant_matmul.py (Triton on CUDA, else its reference): x's dtype, f32 sums
             if self.format == "int4":
                 out = quant_matmul(x.reshape(-1, self.in_features), "int4", self.nibbles, self.scales, self.zeros)
@@ -166,18 +168,23 @@ class QuantLinear(nn.Module):
                 out = quant_matmul(x.reshape(-1, self.in_features), "int8", self.codes, self.scales)  # [M, N]
             if self.bias is not None:
                 out = out + self.bias
-            return out.reshape(*shape[:-1], self.out_features)
-        x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE).contiguous()  # [M, K]
+            return out.reshape(*shape[:-1], self.out_features).to(out_dtype)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [M, K]
+        if x2.dtype != COMPUTE_DTYPE:
+            x2 = x2.to(COMPUTE_DTYPE)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
         if self.format == "int4":
             out = torch._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)  # [M, N']
             if out.shape[1] != self.out_features:
                 out = out[:, : self.out_features]
         else:
             out = torch._weight_int8pack_mm(x2, self.codes, self.scales)  # [M, N]
-        out = out.to(x.dtype)
+        if out.dtype != out_dtype:
+            out = out.to(out_dtype)
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.reshape(*shape[:-1], self.out_features)
 
 
 class QuantEmbedding(nn.Module):

@@ -4,13 +4,23 @@
 cache's per-row `start`/`length`, so one code path serves prefill of prompts of different lengths and
 steps of T >= 1 new tokens per row, in both cache layouts. Module names mirror HF's state-dict keys
 (with the `model.` prefix dropped) so weights load by name.
+
+The layer is written as few ops as the ordinary mode allows (docs/design.md, "The forward"): the hidden
+states stay [M, E] (M = B T); RMSNorm is one op in float32; q, k and v come from one projection and are
+rotated together by one formula (`numerics.rotate`, per-head tables built once per forward: V passes through);
+K and V are written into the cache by one op (`kv_append`); attention is one SDPA call, with no mask where
+every query sees all its row's columns; the output projection and the MLP's down projection add the residual
+in the same op; on the CPU in float32 the MLP is three oneDNN ops on packed weights. Everything a forward
+derives from the step (RoPE tables, the write index, the mask) is computed once, before the layers.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from specdec.kernels.kv_append import kv_append
+from specdec.kernels.kv_append import kv_append, write_constants, write_index
 
 from . import numerics
 from .cache import RAGGED, KVCache
@@ -30,26 +40,22 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # HF order: normalise in float32, cast back, then scale (it matters for parity)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return numerics.rms_norm(x, self.weight, self.eps)
 
 
-def rotate_half(x):  # NeoX / Llama: (x1, x2) -> (-x2, x1) on the two halves
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+class StepInputs(NamedTuple):
+    """What every layer of one forward shares, computed once before the layers (`Transformer.forward_tensors`)."""
 
-
-def rotate_pairs(x):  # GLM-4 interleaved: (x0, x1), (x2, x3).. -> (-x1, x0), (-x3, x2)..
-    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-
-
-def apply_rope(x, cos, sin, interleaved: bool):
-    """x: [B, H, T, D]; cos/sin: [B, 1, T, R] with R <= D; dims R.. pass through unrotated."""
-    rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    rotated = x_rot * cos + (rotate_pairs(x_rot) if interleaved else rotate_half(x_rot)) * sin
-    return torch.cat((rotated, x_pass), dim=-1) if x_pass.shape[-1] else rotated
+    rows: int  # B
+    tokens: int  # T new tokens per row
+    cos: torch.Tensor  # [B, T, H + 2 H_kv, D] RoPE tables per head (`Transformer.rope_heads`)
+    sin: torch.Tensor  # [B, T, H + 2 H_kv, D]
+    columns: torch.Tensor  # [B, T] cache columns written
+    write: tuple | None  # `kv_append.write_index(columns)`: the torch path's K/V write indices
+    attn: object  # additive mask [B, 1, T, W], None (no mask: `causal` or every query sees all W columns),
+    # or a numerics.RowKeys (batch-invariant mode)
+    causal: bool  # with attn None: causal over W = T columns (a prefill from column 0)
+    backend: str | None  # kernel backend
 
 
 def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -88,6 +94,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * D, E, bias=cfg.attention_out_bias)
         self.batch_invariant = False  # set by Transformer.batch_invariant (models/numerics.py)
         self.packed_linear = False  # set by Transformer.packed_linear
+        self.sandwich = None  # GLM-4: the layer's post_self_attn_layernorm (set by DecoderLayer)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
@@ -99,44 +106,55 @@ class Attention(nn.Module):
         self.qkv_proj = fused_linear([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def qkv(self, x, cos, sin, backend=None):
-        """q [B, H, T, D], k [B, H_kv, T, D] (both normed as the family says, rotated) and v [B, H_kv, T, D]."""
+    def project(self, x, cos, sin, perm, backend=None):
+        """x [B T, E] or [B, T, E] (normed) -> q, k, v rotated, in one tensor [B, T, H + 2 H_kv, D] (heads q, then
+        k, then v; q and k normed first where the family says so); B, T: the tables' [B, T, ...]."""
         cfg = self.cfg
-        B, T, _ = x.shape
+        B, T = cos.shape[:2]
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        invariant, packed = self.batch_invariant, self.packed_linear
         if hasattr(self, "qkv_proj"):
-            qkv = numerics.linear(self.qkv_proj, x, self.batch_invariant, backend,
-                                  self.packed_linear)  # [B, T, (H + 2 H_kv) D]
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-        else:
-            q, k, v = (numerics.linear(proj, x, self.batch_invariant, backend, self.packed_linear)
-                       for proj in (self.q_proj, self.k_proj, self.v_proj))  # [B, T, H D], [B, T, H_kv D] x 2
-        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin, cfg.rope_interleaved)  # [B, H, T, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin, cfg.rope_interleaved)  # [B, H_kv, T, D]
-        return q, k, v.transpose(1, 2)
+            # a quantized projection's output may stay in its kernel's dtype: `rotate` multiplies it into the
+            # tables' (the model's) dtype, which converts it exactly (unless the q/k norms come first)
+            qkv = numerics.linear(self.qkv_proj, x, invariant, backend, packed,
+                                  promoted=not cfg.qk_norm)  # [..., (H + 2 H_kv) D]
+        else:  # built unfused (`fuse_` makes the one projection)
+            qkv = torch.cat([numerics.linear(proj, x, invariant, backend, packed)
+                             for proj in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)  # [..., (H + 2 H_kv) D]
+        qkv = qkv.view(B, T, H + 2 * Hkv, D)  # [B, T, H + 2 H_kv, D]
+        if cfg.qk_norm:  # per-head RMSNorm of q and k (their own weights), before RoPE
+            q = self.q_norm(qkv[:, :, :H])  # [B, T, H, D]
+            k = self.k_norm(qkv[:, :, H:H + Hkv])  # [B, T, H_kv, D]
+            qkv = torch.cat((q, k, qkv[:, :, H + Hkv:]), dim=2)  # [B, T, H + 2 H_kv, D]
+        return numerics.rotate(qkv, cos, sin, perm)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, columns, attn_bias, first_column, backend=None):
-        """x [B, T, E]; k_cache/v_cache [B, H_kv, C, D]; columns [B, T] write columns; attn_bias [B, 1, T, W]
-        additive mask over cache columns 0..W-1 (None: each row's first T tokens, unpadded: causal); first_column: the shared write column when every row
-        writes the same contiguous columns (a host int: a slice write), else None (scatter per row, with the
-        kv_append kernel of `backend`)."""
+    def qkv(self, x, cos, sin, perm, backend=None):
+        """q [B, H, T, D], k [B, H_kv, T, D] (both normed as the family says, rotated) and v [B, H_kv, T, D]:
+        what the forward computes, for training and the invariant checks (`cos`/`sin`: `rope_heads`)."""
+        H, Hkv = self.cfg.num_heads, self.cfg.num_kv_heads
+        rot = self.project(x, cos, sin, perm, backend)  # [B, T, H + 2 H_kv, D]
+        return rot[:, :, :H].transpose(1, 2), rot[:, :, H:H + Hkv].transpose(1, 2), rot[:, :, H + Hkv:].transpose(1, 2)
+
+    def forward(self, x, residual, step: StepInputs, perm, kv, k, v):
+        """residual + attention(x): x, residual [M, E] (M = B T; x normed); kv [2, B, H_kv, W, D] this layer's
+        cache (K/V written in place); k, v [B, H_kv, W, D] its views."""
         cfg = self.cfg
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x, cos, sin, backend)
-        if first_column is None:
-            kv_append(k_cache, v_cache, k, v, columns, backend=backend)  # k_cache: [B, H_kv, C, D]
+        B, T = step.rows, step.tokens
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        rot = self.project(x, step.cos, step.sin, perm, step.backend)  # [B, T, H + 2 H_kv, D]
+        NH = H + 2 * Hkv
+        kv_append(kv, rot.as_strided((B, T, 2 * Hkv, D), (T * NH * D, NH * D, D, 1), H * D), step.columns,
+                  step.backend, step.write)  # K, V heads of every token
+        q = rot.as_strided((B, H, T, D), (T * NH * D, D, NH * D, 1))  # [B, H, T, D] view
+        if self.batch_invariant:
+            out = numerics.attention(q, k, v, step.attn, step.backend)  # [B, H, T, D]
         else:
-            k_cache[:, :, first_column: first_column + T] = k
-            v_cache[:, :, first_column: first_column + T] = v
-        if self.batch_invariant:  # attn_bias is then a numerics.RowKeys (mask and each row's first key)
-            out = numerics.attention(q, k_cache, v_cache, attn_bias, backend)  # [B, H, T, D]
-        else:  # attn_bias None: a causal prefill from column 0 (`forward_tensors`)
-            out = numerics.sdpa(q, k_cache, v_cache, attn_bias, cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
-        out = out.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim)  # [B, T, H * D]
-        return numerics.linear(self.o_proj, out, self.batch_invariant, backend, self.packed_linear)
+            out = numerics.sdpa(q, k, v, step.attn, H != Hkv, step.causal)  # [B, H, T, D]
+        out = (out.reshape(B, H * D) if T == 1 else out.transpose(1, 2).reshape(B * T, H * D))  # [M, H D]
+        if self.sandwich is not None:  # GLM-4: the output is normed before the residual add
+            return residual + self.sandwich(numerics.linear(self.o_proj, out, self.batch_invariant, step.backend,
+                                                            self.packed_linear))
+        return numerics.linear_add(self.o_proj, out, residual, self.batch_invariant, step.backend, self.packed_linear)
 
 
 class MLP(nn.Module):
@@ -156,6 +174,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(I, E, bias=cfg.mlp_bias and not cfg.fused_gate_up)
         self.batch_invariant = False  # set by Transformer.batch_invariant (models/numerics.py)
         self.packed_linear = False  # set by Transformer.packed_linear
+        self.sandwich = None  # GLM-4: the layer's post_mlp_layernorm (set by DecoderLayer)
 
     def fuse_(self) -> None:
         """Replace gate_proj/up_proj by one `gate_up_proj` (gate first), as GLM-4 stores it."""
@@ -165,14 +184,21 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
         self.fused = True
 
-    def forward(self, x, backend=None):
+    def forward(self, x, residual, backend=None):
+        """residual + MLP(x): x (normed), residual [M, E]."""
         invariant, packed = self.batch_invariant, self.packed_linear
-        if self.fused:
-            gate, up = numerics.linear(self.gate_up_proj, x, invariant, backend, packed).chunk(2, dim=-1)  # gate first
-        else:
+        if not self.fused:
             gate = numerics.linear(self.gate_proj, x, invariant, backend, packed)
             up = numerics.linear(self.up_proj, x, invariant, backend, packed)
-        return numerics.linear(self.down_proj, numerics.silu(gate, invariant) * up, invariant, backend, packed)
+            out = numerics.silu(gate, invariant) * up
+        elif self.sandwich is None:
+            return numerics.gated_mlp(self.gate_up_proj, self.down_proj, x, residual, invariant, backend, packed)
+        else:
+            gate, up = numerics.linear(self.gate_up_proj, x, invariant, backend, packed).chunk(2, dim=-1)  # gate first
+            out = numerics.silu(gate, invariant) * up
+        if self.sandwich is not None:  # GLM-4: the output is normed before the residual add
+            return residual + self.sandwich(numerics.linear(self.down_proj, out, invariant, backend, packed))
+        return numerics.linear_add(self.down_proj, out, residual, invariant, backend, packed)
 
 
 class DecoderLayer(nn.Module):
@@ -182,21 +208,17 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, fused)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.sandwich = cfg.sandwich_norms
-        if self.sandwich:
+        if cfg.sandwich_norms:
             self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            # the sublayers apply them (one submodule each, registered here: the checkpoint's names)
+            object.__setattr__(self.self_attn, "sandwich", self.post_self_attn_layernorm)
+            object.__setattr__(self.mlp, "sandwich", self.post_mlp_layernorm)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, columns, attn_bias, first_column, backend=None):
-        h = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, columns, attn_bias, first_column,
-                           backend)
-        if self.sandwich:
-            h = self.post_self_attn_layernorm(h)
-        x = x + h
-        h = self.mlp(self.post_attention_layernorm(x), backend)
-        if self.sandwich:
-            h = self.post_mlp_layernorm(h)
-        return x + h
+    def forward(self, h, step: StepInputs, perm, kv, k, v):
+        """h [M, E] -> [M, E]; kv, k, v: this layer's cache and its K/V views (see `Attention.forward`)."""
+        h = self.self_attn(self.input_layernorm(h), h, step, perm, kv, k, v)
+        return self.mlp(self.post_attention_layernorm(h), h, step.backend)
 
 
 class Transformer(nn.Module):
@@ -220,6 +242,8 @@ class Transformer(nn.Module):
         self._packed_linear = False
         self._bi_workspace = None  # reusable buffers of batch-invariant attention (models/numerics.py)
         self._rope_table = None  # (cos, sin) [N, R] for positions 0..N-1 (`rope_table`)
+        self._rope_heads = None  # (cos, sin) [N + 1, D] and perm [D], from `_rope_table` (`rope_heads`)
+        self._write_constants = {}  # (B, H_kv, device) -> `kv_append.write_constants`
 
     @property
     def batch_invariant(self) -> bool:
@@ -294,6 +318,52 @@ class Transformer(nn.Module):
         cos, sin = self.rope_table(int(positions.max()) + 1 if count is None else count)
         return cos[positions][:, None], sin[positions][:, None]
 
+    def rope_heads(self, positions, count: int | None = None, tables=None):
+        """The tables of `numerics.rotate` for positions [B, T]: cos, sin [B, T, H + 2 H_kv, D] and perm [D].
+
+        Built from `rope_table` (the same cos/sin bits) as one [N + 1, D] table pair per model: row p holds
+        position p's cos and its sin with rotate-half's (or rotate-pairs') sign folded in, over D columns
+        (cos 1, sin 0 past the rotary dims); row N is the identity (cos 1, sin 0), which V's heads look up.
+        `count`: as in `rope`; `tables`: `rope_head_table(count)`'s, when the caller has them."""
+        if tables is None:
+            tables = self.rope_head_table(int(positions.max()) + 1 if count is None else count)
+        cos_h, sin_h, perm, index_v = tables
+        cfg = self.cfg
+        H, Hkv = cfg.num_heads, cfg.num_kv_heads
+        index = positions[:, :, None].expand(*positions.shape, H + 2 * Hkv)  # [B, T, H + 2 H_kv] table rows
+        index = torch.where(index_v, cos_h.shape[0] - 1, index)  # V's heads read the identity row
+        return cos_h[index], sin_h[index], perm  # [B, T, H + 2 H_kv, D] x 2, [D]
+
+    def rope_head_table(self, count: int):
+        """(cos, sin [N + 1, D], perm [D], V-head flags [H + 2 H_kv]) for `rope_heads`, N >= count: built from
+        `rope_table` once per model (again only when that table is rebuilt)."""
+        cos_t, sin_t = self.rope_table(count)
+        cached = self._rope_heads
+        if cached is None or cached[0] is not cos_t:
+            cached = self._rope_heads = (cos_t, *self._head_tables(cos_t, sin_t))
+        return cached[1:]
+
+    def _head_tables(self, cos_t, sin_t):
+        cfg = self.cfg
+        N, R = cos_t.shape
+        D = cfg.head_dim
+        device = cos_t.device
+        cos_h = torch.ones(N + 1, D, dtype=cos_t.dtype, device=device)  # [N + 1, D]
+        sin_h = torch.zeros(N + 1, D, dtype=sin_t.dtype, device=device)  # [N + 1, D]
+        cos_h[:N, :R] = cos_t
+        sign = torch.ones(R, dtype=sin_t.dtype, device=device)  # [R] the sign rotate-half/-pairs puts on x[perm]
+        perm = torch.arange(D, device=device)  # [D]
+        if cfg.rope_interleaved:  # (x0, x1) -> (-x1, x0): x[perm] swaps each pair, the even slots negate
+            perm[:R] = torch.arange(R, device=device).view(-1, 2).flip(-1).reshape(-1)
+            sign[0::2] = -1
+        else:  # (x1, x2) -> (-x2, x1): x[perm] swaps the halves, the first half negates
+            perm[:R] = torch.arange(R, device=device).roll(R // 2)
+            sign[: R // 2] = -1
+        sin_h[:N, :R] = sin_t * sign
+        H, Hkv = cfg.num_heads, cfg.num_kv_heads
+        index_v = torch.arange(H + 2 * Hkv, device=device) >= H + Hkv  # [H + 2 H_kv] the V heads
+        return cos_h, sin_h, perm, index_v
+
     def new_cache(self, batch_size: int, capacity: int, layout: str = RAGGED) -> KVCache:
         cfg = self.cfg
         return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, capacity, cfg.head_dim,
@@ -319,27 +389,35 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         compiled = self.compiled_forward is not None and num_new is None  # steps; prefills (varied shapes) run eager
         compiled = compiled and not self.batch_invariant
-        plan = cache.plan(T, num_new, full_width=compiled)
-        self.rope_table(cache.capacity)  # positions < capacity; built (or grown) here, outside a compiled graph
+        host_new = [T] * B if num_new is None else list(num_new)
+        # every row's first T tokens at columns 0..T-1, none of them padding: attention is causal, no mask
+        causal = not compiled and all(s == 0 and n == 0 for s, n in zip(cache.host_start, cache.host_length)) \
+            and all(n == T for n in host_new)
+        # one token per row, every row seeing every column 0..W-1 (B = 1, or rows of one length): no mask
+        unmasked = not compiled and T == 1 and len({e + 1 for e in cache.host_end}) == 1 and \
+            all(s == 0 for s in cache.host_start)
+        need_mask = self.batch_invariant or compiled or not (causal or unmasked)
+        plan = cache.plan(T, num_new, full_width=compiled, mask=need_mask)
+        tables = self.rope_head_table(cache.capacity)  # positions < capacity; built (or grown) outside a graph
         last_index = None  # [B] each row's last real token, when it is not token T - 1
         if logits == "last" and not cache.left_padded and any(n != T for n in plan.host_num_new):
             last_index = plan.num_new - 1
+        kv = cache.kv if compiled else cache.kv[:, :, :, :, :plan.width]  # [L, 2, B, H_kv, W, D]
         if compiled:  # one graph for every step: scatter writes, all T logits, inductor's own kernels
-            marks = [(input_ids, (0, 1)), (cache.k, (1, 3)), (cache.v, (1, 3)), (plan.positions, (0, 1)),
-                     (plan.columns, (0, 1)), (plan.mask, (0, 1, 2))]
+            marks = [(input_ids, (0, 1)), (kv, (2, 4)), (plan.positions, (0, 1)), (plan.columns, (0, 1)),
+                     (plan.mask, (0, 1, 2)), (tables[0], (0,)), (tables[1], (0,))]  # the tables grow too
             if features is not None:
                 marks.append((features, (0, 1)))
             for t, dims in marks:
                 for dim in dims:  # rows, new tokens and cache capacity vary: one graph for all of them
                     torch._dynamo.maybe_mark_dynamic(t, dim)
-            out = self.compiled_forward(input_ids, cache.k, cache.v, plan.positions, plan.columns, plan.mask, None,
-                                        None, False, "torch", features, hidden)
+            out = self.compiled_forward(input_ids, kv, plan.positions, plan.columns, plan.mask, None, False,
+                                        "torch", features, hidden, False, tables)
             if logits == "last":  # every row's last token is token T - 1 here (num_new is None)
                 out = (out[0][:, -1:], out[1][:, -1:] if hidden == "last" else out[1]) if hidden else out[:, -1:]
-        else:  # every row's first T tokens, none of them padding: attention needs no mask (causal)
-            causal = plan.first_column == 0 and all(n == T for n in plan.host_num_new) and plan.mask.shape[-1] == T
-            out = self.forward_tensors(input_ids, cache.k, cache.v, plan.positions, plan.columns, plan.mask, last_index,
-                                       plan.first_column, logits == "last", cache.backend, features, hidden, causal)
+        else:
+            out = self.forward_tensors(input_ids, kv, plan.positions, plan.columns, plan.mask, last_index,
+                                       logits == "last", cache.backend, features, hidden, causal)
         cache.advance(plan)
         return out
 
@@ -353,30 +431,43 @@ class Transformer(nn.Module):
         """Logits [B, T, V] of the last layer's output h [B, T, E]."""
         return numerics.linear(self.lm_head, self.norm(h), self.batch_invariant, backend, self.packed_linear)
 
-    def forward_tensors(self, input_ids, k, v, positions, columns, mask, last_index, first_column, last_only: bool,
-                        backend: str | None = None, features=None, hidden: str | None = None, causal: bool = False):
-        """The forward on tensors alone (what `compile_forward` captures): input_ids [B, T]; k/v caches
-        [L, B, H_kv, C, D], written in place; positions/columns [B, T]; mask [B, T, W]; last_index [B] or
-        None; first_column: a host int (contiguous slice write) or None (scatter at `columns` with the
-        kv_append kernel of `backend`); features [B, T, E] or None (`embed`); hidden: also return the last
-        layer's output, at every position ("all") or where the logits are ("last"); causal: `mask` is the causal
-        mask of T tokens at columns 0..T-1 in every row (W = T), so ordinary attention builds no additive mask and
-        takes SDPA's causal path, which skips the hidden blocks (the same bits: hidden keys add exact zeros
-        either way; tests/test_models.py)."""
+    def forward_tensors(self, input_ids, kv, positions, columns, mask, last_index, last_only: bool,
+                        backend: str | None = None, features=None, hidden: str | None = None, causal: bool = False,
+                        rope_tables=None):
+        """The forward on tensors alone (what `compile_forward` captures): input_ids [B, T]; kv [L, 2, B, H_kv, W, D]
+        the caches' first W columns, written in place; positions/columns [B, T]; mask [B, T, W] bool, or None
+        (every query sees every column 0..W-1 of its row; with `causal`, W = T and query t sees columns 0..t:
+        a prefill from column 0, which takes SDPA's causal path: the same bits, hidden keys add exact zeros
+        either way; tests/test_prefill_step.py); last_index [B] or None; features [B, T, E] or None (`embed`);
+        hidden: also return the last layer's output, at every position ("all") or where the logits are ("last");
+        rope_tables: `rope_head_table`'s (a compiled forward takes them as inputs: they grow with the cache)."""
         B, T = input_ids.shape
-        cos, sin = self.rope(positions, k.shape[3])  # [B, 1, T, R]; positions < capacity C
+        cos, sin, perm = self.rope_heads(positions, kv.shape[4], rope_tables)  # [B, T, H + 2 H_kv, D] x 2
+        write = None
+        if numerics.choose_backend(kv, backend) != "triton":  # the torch path's index_put_ indices
+            key = (B, kv.shape[3], kv.device)
+            constants = None if torch.compiler.is_compiling() else self._write_constants.get(key)
+            if constants is None:  # (a compiled graph computes them: a few ops, B symbolic)
+                constants = write_constants(*key)
+                if not torch.compiler.is_compiling():
+                    self._write_constants[key] = constants
+            write = write_index(columns, kv.shape[3], constants)
         if self.batch_invariant:
             if self._bi_workspace is None:
                 self._bi_workspace = numerics.Workspace()
-            attn_bias = numerics.row_keys(mask, self._bi_workspace)  # the mask, each row's first key
-        elif causal:
-            attn_bias = None  # numerics.sdpa: is_causal
+            attn = numerics.row_keys(mask, self._bi_workspace)  # the mask, each row's first key
+        elif mask is None:
+            attn = None  # numerics.sdpa: causal, or no mask at all
         else:
             zero = torch.zeros((), dtype=self.dtype, device=input_ids.device)
-            attn_bias = torch.where(mask, zero, float("-inf"))[:, None]  # [B, 1, T, W], once for all layers
+            attn = torch.where(mask, zero, float("-inf"))[:, None]  # [B, 1, T, W], once for all layers
+        step = StepInputs(B, T, cos, sin, columns, write, attn, causal, backend)
+        layer_kv, ks, vs = kv.unbind(0), kv[:, 0].unbind(0), kv[:, 1].unbind(0)  # L x [2, B, H_kv, W, D], L x [B, H_kv, W, D]
         h = self.embed(input_ids, features, backend)  # [B, T, E]
-        for layer, k_cache, v_cache in zip(self.layers, k, v):
-            h = layer(h, cos, sin, k_cache, v_cache, columns, attn_bias, first_column, backend)
+        h = h.view(B * T, -1)  # [M, E]
+        for layer, layer_cache, k, v in zip(self.layers, layer_kv, ks, vs):
+            h = layer(h, step, perm, layer_cache, k, v)
+        h = h.view(B, T, -1)  # [B, T, E]
         out = h
         if last_only:
             if last_index is None:
@@ -416,9 +507,8 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def layer0_kv(self, token_ids, positions):
         """K/V of layer 0 for tokens [B, T] at positions [B, T]: a cheap invariant check (I2, I4)."""
-        cos, sin = self.rope(positions)
         layer = self.layers[0]
-        _, k, v = layer.self_attn.qkv(layer.input_layernorm(self.embed_tokens(token_ids)), cos, sin)
+        _, k, v = layer.self_attn.qkv(layer.input_layernorm(self.embed_tokens(token_ids)), *self.rope_heads(positions))
         return k, v
 
     def fuse_(self) -> "Transformer":

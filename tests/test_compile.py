@@ -68,3 +68,31 @@ def test_many_compiled_models_fit_in_dynamo_s_cache(tmp_path, monkeypatch):
             model(torch.tensor([[5, 6, 7]] * rows), cache)  # the prefill runs eager
             for T in (1, 2):
                 model(torch.tensor([[8] * T] * rows), cache)
+
+
+def test_compiled_step_compiles_once_per_bucket_and_never_again(pair, monkeypatch):
+    """The step captured with fullgraph=True (any graph break -- a host sync, a Python branch on a tensor value
+    -- is an error): a 64-token AR run at batch 1 compiles the step once, speculative runs once per bucket
+    (rows 1 or more, one new token or several), and running again, or longer, compiles nothing. Traced by
+    dynamo's "eager" backend (what recompiles is dynamo's decision; inductor would only add minutes)."""
+    from torch._dynamo.utils import counters
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, fullgraph, options: compile_(fn, fullgraph=fullgraph,
+                                                                                  backend="eager"))
+    target, draft = pair
+    long = SamplingParams(max_tokens=64, ignore_eos=True)
+    torch._dynamo.reset()
+    counters.clear()
+    ar = LLM(target, method="ar", batch_size=1, dtype="float32", compile=True)
+    ar.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=long)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    ar.generate(prompt_token_ids=[[9, 10, 11, 12, 13]], sampling_params=long)  # another prompt length
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["recompiles"])
+    spec = LLM(target, draft, method="ragged", num_speculative_tokens=3, batch_size=4, dtype="float32", compile=True)
+    prompts = [[5, 6, 7], [8], [9, 10, 11, 12], [13, 14]]
+    spec.generate(prompt_token_ids=prompts, sampling_params=long)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs <= 1 + 2 * 4, dict(counters["stats"])  # AR's, then at most 4 per model (rows, new tokens)
+    spec.generate(prompt_token_ids=prompts[::-1], sampling_params=long)
+    assert counters["stats"]["unique_graphs"] == graphs, dict(counters["recompiles"])

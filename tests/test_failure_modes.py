@@ -47,9 +47,9 @@ def test_correct_runtime_passes_every_check(pair):
 def test_positions_counting_padding(pair, monkeypatch):
     original = positions.step_plan_reference
 
-    def broken(start, length, num_new, T, left_padded, width):
-        pos, cols, mask = original(start, length, num_new, T, left_padded, width)
-        return cols.clone(), cols, mask  # position = cache column: padding counted
+    def broken(start, length, num_new, T, left_padded, width, mask=True):
+        pos, cols, visible = original(start, length, num_new, T, left_padded, width, mask)
+        return cols.clone(), cols, visible  # position = cache column: padding counted
 
     monkeypatch.setattr(positions, "step_plan_reference", broken)
     with pytest.raises(InvariantError, match="I2 positions"):

@@ -102,20 +102,21 @@ def test_step_plan_random(data):
 
 def _check_kv_append(B, H, C, D, T, dtype, columns, strided=False):
     g = torch.Generator().manual_seed(B * 100 + H * 10 + D)
-    if strided:  # a layer of a [L, B, H, C, D] cache, and new K/V as transposed [B, T, H, D] projections
-        k_cache = torch.randn(2, B, H, C, D, generator=g).to(dtype).to(DEVICE)[1]
-        v_cache = torch.randn(2, B, H, C, D, generator=g).to(dtype).to(DEVICE)[0]
-        k_new = torch.randn(B, T, H, D, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
-        v_new = torch.randn(B, T, H, D, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
+    if strided:  # a layer of a [L, 2, B, H, C, D] cache, and K/V as a strided view of a rotated [B, T, 3 H, D] qkv
+        kv = torch.randn(2, 2, B, H, C, D, generator=g).to(dtype).to(DEVICE)[1]
+        new = torch.randn(B, T, 3 * H, D, generator=g).to(dtype).to(DEVICE)[:, :, H:]
     else:
-        k_cache, v_cache = (torch.randn(B, H, C, D, generator=g).to(dtype).to(DEVICE) for _ in range(2))
-        k_new, v_new = (torch.randn(B, H, T, D, generator=g).to(dtype).to(DEVICE) for _ in range(2))
-    a = (k_cache.clone(), v_cache.clone())
-    b = (k_cache.clone(), v_cache.clone())
-    kva.kv_append(*a, k_new, v_new, columns, backend="triton")
-    kva.kv_append(*b, k_new, v_new, columns, backend="torch")
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    assert not torch.equal(a[0], k_cache) or T == 0
+        kv = torch.randn(2, B, H, C, D, generator=g).to(dtype).to(DEVICE)
+        new = torch.randn(B, T, 2 * H, D, generator=g).to(dtype).to(DEVICE)
+    a, b = kv.clone(), kv.clone()
+    kva.kv_append(a, new, columns, backend="triton")
+    kva.kv_append(b, new, columns, backend="torch")
+    assert torch.equal(a, b)
+    assert not torch.equal(a, kv) or T == 0
+    for i in range(B):  # row i's token t: K heads at slot 0, V heads at slot 1, column columns[i, t]
+        for t in range(T):
+            c = int(columns[i, t])
+            assert torch.equal(b[0, i, :, c], new[i, t, :H]) and torch.equal(b[1, i, :, c], new[i, t, H:])
 
 
 @needs_triton
@@ -137,12 +138,12 @@ def test_kv_append_strided_left_padded():
 
 @needs_triton
 def test_kv_append_kernel_drops_out_of_range_columns():
-    """The kernel never writes outside the cache (the reference would wrap -1 or raise on C)."""
-    k, v = torch.zeros(2, 1, 4, 3, device=DEVICE), torch.zeros(2, 1, 4, 3, device=DEVICE)
-    new = torch.ones(2, 1, 2, 3, device=DEVICE)
-    kva.kv_append_triton(k, v, new, new, _t([[-1, 0], [3, 4]]))
-    assert k[0, 0, 0].eq(1).all() and k[1, 0, 3].eq(1).all()
-    assert k.sum() == 6 and v.sum() == 6
+    """The kernel never writes outside the cache (the reference would raise)."""
+    kv = torch.zeros(2, 2, 1, 4, 3, device=DEVICE)  # [2, B, H_kv, C, D]
+    new = torch.ones(2, 2, 2, 3, device=DEVICE)  # [B, T, 2 H_kv, D]
+    kva.kv_append_triton(kv, new, _t([[-1, 0], [3, 4]]))
+    assert kv[:, 0, 0, 0].eq(1).all() and kv[:, 1, 0, 3].eq(1).all()
+    assert kv.sum() == 12
 
 
 # ----------------------------------------------------------------------------------------- realign
@@ -584,14 +585,13 @@ def test_rejection_rejects_missing_inputs():
 
 
 def test_kv_append_rejects_bad_arguments():
-    k = torch.zeros(2, 1, 8, 3)
-    new = torch.zeros(2, 1, 2, 3)
+    kv = torch.zeros(2, 2, 1, 8, 3)  # [2, B, H_kv, C, D]
+    new = torch.zeros(2, 2, 2, 3)  # [B, T, 2 H_kv, D]
     cols = torch.zeros(2, 2, dtype=torch.int64)
-    for args, name in [((k, k, new, new, cols.int()), "columns"),
-                       ((k, k, torch.zeros(2, 1, 2, 4), new, cols), "k_new"),
-                       ((k, k, new.double(), new, cols), "k_new dtype"),
-                       ((k, k, new, new.double(), cols), "v_new"),
-                       ((k, torch.zeros(2, 1, 7, 3), new, new, cols), "v_cache")]:
+    for args, name in [((kv, new, cols.int()), "columns"),
+                       ((kv, torch.zeros(2, 2, 2, 4), cols), "new must be"),
+                       ((kv, new.double(), cols), "new dtype"),
+                       ((kv[0], new, cols), "kv must be")]:
         with pytest.raises(ValueError, match=name):
             kva.kv_append(*args, backend="torch")
 
@@ -641,8 +641,7 @@ def spies(monkeypatch):
 def _call_all(backend=None):
     s = torch.zeros(2, dtype=torch.int64)
     pos.step_plan(s, s, 2, backend=backend)
-    k = torch.zeros(2, 1, 4, 3)
-    kva.kv_append(k, k.clone(), torch.zeros(2, 1, 1, 3), torch.zeros(2, 1, 1, 3), torch.zeros(2, 1, dtype=torch.int64),
+    kva.kv_append(torch.zeros(2, 2, 1, 4, 3), torch.zeros(2, 1, 2, 3), torch.zeros(2, 1, dtype=torch.int64),
                   backend=backend)
     rea.realign([(torch.zeros(1, 2, 1, 4, 3), torch.zeros(1, 2, 1, 4, 3))], s, s, s, backend=backend)
     rej.rejection_sample(torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64), backend=backend)
@@ -721,11 +720,10 @@ def compile_all_for_sm90():
     with contextlib.ExitStack() as patches:
         s = torch.tensor([0, 1])
         _compile_recorded(patches, pos, "_step_plan_kernel", lambda: pos.step_plan_triton(s, s, s, 3, True, 5))
-        c = torch.zeros(2, 2, 8, 3, dtype=torch.bfloat16)
-        n = torch.zeros(2, 2, 3, 3, dtype=torch.bfloat16)
+        c = torch.zeros(2, 2, 2, 8, 3, dtype=torch.bfloat16)  # [2, B, H_kv, C, D]
+        n = torch.zeros(2, 3, 4, 3, dtype=torch.bfloat16)  # [B, T, 2 H_kv, D]
         cols = torch.zeros(2, 3, dtype=torch.int64)
-        _compile_recorded(patches, kva, "_kv_append_kernel",
-                          lambda: kva.kv_append_triton(c, c.clone(), n, n.clone(), cols))
+        _compile_recorded(patches, kva, "_kv_append_kernel", lambda: kva.kv_append_triton(c, n, cols))
         caches = [(torch.zeros(2, 2, 2, 8, 3, dtype=torch.bfloat16), torch.zeros(2, 2, 2, 8, 3, dtype=torch.bfloat16)),
                   (torch.zeros(1, 2, 3, 8, 24), torch.zeros(1, 2, 3, 8, 24))]
         out = [(torch.empty_like(k), torch.empty_like(v)) for k, v in caches]

@@ -1,6 +1,7 @@
-"""Packed linear weights (CPU float32, steps of two or more token rows through oneDNN): the same logits as
-the ordinary forward up to float32 rounding, the packed path really taken (and only where it pays), the
-LLM's default, and greedy speculative output equal to AR with it on (float64 ignores packing: exact)."""
+"""Packed linear weights (CPU float32, steps of up to PACKED_MAX_ROWS token rows through oneDNN, with the
+residual add and the MLP's SiLU and product fused in): the same logits as the ordinary forward up to float32
+rounding, the packed path really taken (and only where it pays), the LLM's default, and greedy speculative
+output equal to AR with it on (float64 ignores packing: exact)."""
 import pytest
 import torch
 
@@ -30,23 +31,27 @@ def logits_of_steps(model, steps):
     return outs
 
 
-def test_packed_forward_equals_the_ordinary_one_and_packs_only_multi_row_steps(checkpoint, monkeypatch):
+def test_packed_forward_equals_the_ordinary_one_and_packs_small_steps(checkpoint, monkeypatch):
     model = load_model(checkpoint, dtype="float32")
     plain = logits_of_steps(model, [1, 4, 2])
     model.packed_linear = True
     calls = []
     real = numerics.packed_weight
-    monkeypatch.setattr(numerics, "packed_weight", lambda layer: calls.append(layer) or real(layer))
+    monkeypatch.setattr(numerics, "packed_weight", lambda layer, *part: calls.append(layer) or real(layer, *part))
     packed = logits_of_steps(model, [1, 4, 2])
     for a, b in zip(plain, packed):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert calls, "the packed path was never taken"
     one_row = load_model(checkpoint, dtype="float32")
     one_row.packed_linear = True
-    calls.clear()
-    cache = one_row.new_cache(1, 4, RAGGED)
+    cache = one_row.new_cache(1, 4 + numerics.PACKED_MAX_ROWS, RAGGED)
     cache.set_prefill([1], 1)
-    one_row.forward(torch.tensor([[5]]), cache, num_new=[1])  # M = 1: MKL's GEMV, no packed call
+    calls.clear()
+    one_row.forward(torch.tensor([[5]]), cache, num_new=[1])  # M = 1: every layer packed
+    assert calls
+    calls.clear()
+    long = torch.full((1, numerics.PACKED_MAX_ROWS + 1), 5)  # a prefill longer than the bound: MKL's GEMM
+    one_row.forward(long, cache)
     assert not calls
     model.packed_linear = False
     assert all("bi_packed" not in m.__dict__ for m in model.modules())  # switching off frees the copies
@@ -83,8 +88,8 @@ def test_packed_row_buckets_bound_the_shapes_and_keep_results():
 
     from specdec.models import numerics
 
-    shapes = {numerics.packed_rows(m) for m in range(2, numerics.PACKED_MAX_ROWS + 1)}
-    assert len(shapes) <= 24 and all(s >= m for m, s in ((m, numerics.packed_rows(m)) for m in range(2, 65)))
+    shapes = {numerics.packed_rows(m) for m in range(1, numerics.PACKED_MAX_ROWS + 1)}
+    assert len(shapes) <= 24 and all(s >= m for m, s in ((m, numerics.packed_rows(m)) for m in range(1, 65)))
     layer = nn.Linear(32, 48)
     if numerics.pack_weight(torch.zeros(8, 8)) is None:
         pytest.skip("no oneDNN packed path in this torch build")

@@ -34,8 +34,8 @@ class TransformersAdapter:
     def forward(self, input_ids, cache: KVCache, num_new=None, logits: str = "all"):
         B, T = input_ids.shape
         plan = cache.plan(T, num_new)  # positions [B, T], columns [B, T], mask [B, T, W]
-        ids = input_ids.to(torch.float64)[:, None, :, None]  # [B, 1, T, 1]
-        kv_append(cache.k[0], cache.v[0], ids, ids, plan.columns)
+        ids = input_ids.to(torch.float64)[:, :, None, None].expand(B, T, 2, 1)  # [B, T, 2 H_kv, D]: K and V
+        kv_append(cache.kv[0], ids, plan.columns)  # layer 0's [2, B, 1, C, 1]
         out = torch.zeros(B, T, self.vocab_size, dtype=self.dtype)  # [B, T, V]; padding stays 0
         for i in range(B):
             start, real = int(cache.start[i]), int(cache.length[i] + plan.num_new[i])

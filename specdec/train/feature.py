@@ -188,14 +188,15 @@ def train_forward(draft: FeatureDraft, ids, features_before):
     attention over the sequence (no cache: the training form of `FeatureDraft.forward`)."""
     B, T = ids.shape
     positions = torch.arange(T, device=ids.device)[None].expand(B, T)  # [B, T]
-    cos, sin = draft.rope(positions)
+    tables = draft.rope_heads(positions)  # cos, sin [B, T, H + 2 H_kv, D], perm [D]
     h = draft.embed(ids, features_before)  # [B, T, E]
     for layer in draft.layers:
         attn = layer.self_attn
-        q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)  # [B, H, T, D], [B, H_kv, T, D] x 2
+        q, k, v = attn.qkv(layer.input_layernorm(h), *tables)  # [B, H, T, D], [B, H_kv, T, D] x 2
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-        h = h + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        o = attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))  # [B, T, E]
+        h = h + (o if attn.sandwich is None else attn.sandwich(o))  # GLM-4 norms the output first
+        h = layer.mlp(layer.post_attention_layernorm(h), h)  # residual + MLP
     return h
 
 
