@@ -43,7 +43,7 @@ class StepLogprobs:
     def __init__(self, logits, rows, top: int, dtype):
         """logits [B, T, V] (the target's, cut to the vocabulary); rows [R] int64 on the device; top: the
         most top entries any of those rows asks for."""
-        self.batch_size, self.rows, self.top = logits.shape[0], rows, top
+        self.batch_size, self.rows, self.top = logits.shape[0], rows, min(top, logits.shape[-1])
         self.logprobs = logits.index_select(0, rows).to(dtype).log_softmax(dim=-1)  # [R, T, V]
         self.top_values, self.top_ids = (self.logprobs.topk(top, dim=-1) if top else
                                          (self.logprobs[..., :0], self.logprobs[..., :0].long()))  # [R, T, top]
@@ -83,6 +83,7 @@ class StepLogprobs:
             if n is None:
                 out.append(None)
                 continue
+            n = min(n, top)  # a vocabulary smaller than what was asked for: all of it
             entries = []
             for j, token in enumerate(toks):
                 v = vals[j * width:(j + 1) * width]

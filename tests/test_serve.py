@@ -298,6 +298,29 @@ def test_dropped_client_frees_its_row_and_the_server_goes_on(server, client):
     assert r.choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_dropped_client_of_n_choices_frees_every_row(server):
+    """A stream of n = 3 closed mid-way: all three choices are aborted and their rows freed."""
+    def aborted(text):
+        return metric(text, "specdec_requests_finished_total", 'finish_reason="abort"') \
+            if 'finish_reason="abort"' in text else 0.0
+
+    before = aborted(httpx.get(f"{server}/metrics").text)
+    body = {"model": MODEL, "prompt": PROMPTS[23], "max_tokens": 150, "temperature": 1.0, "ignore_eos": True,
+            "stream": True, "n": 3}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{server}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            assert next(line for line in r.iter_lines() if line.startswith("data: ")).startswith("data: {")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{server}/metrics").text
+        if metric(text, "specdec_num_requests_running") == 0 and aborted(text) == before + 3:
+            break
+        time.sleep(0.05)
+    assert metric(text, "specdec_num_requests_running") == metric(text, "specdec_num_requests_waiting") == 0
+    assert aborted(text) == before + 3
+
+
 def test_metrics_exposition(server, client):
     client.completions.create(model=MODEL, prompt=PROMPTS[16], max_tokens=MAX_TOKENS, temperature=0)
     r = httpx.get(f"{server}/metrics")

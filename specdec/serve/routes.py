@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -171,9 +172,10 @@ class Routes:
                 for j in range(len(generations)):
                     for chunk in chunks(j, None):
                         yield f"data: {chunk.model_dump_json()}\n\n"
-                async for j, piece in merged(generations):
-                    for chunk in chunks(j, piece):
-                        yield f"data: {chunk.model_dump_json()}\n\n"
+                async with aclosing(merged(generations)) as pieces:  # closed, its waits cancelled, if we are
+                    async for j, piece in pieces:
+                        for chunk in chunks(j, piece):
+                            yield f"data: {chunk.model_dump_json()}\n\n"
                 if include_usage:
                     yield f"data: {usage_chunk().model_dump_json()}\n\n"
             except ApiError as e:  # after the 200 has gone out: the error travels as an event
