@@ -92,10 +92,6 @@ class Generation:
         self.worker.release(self.request_id, abort=not self._engine_done, choice=self.choice)
         self.metrics.finished.labels(self.finish_reason or "abort").inc()  # no reason: the client went away
 
-    @property
-    def usage(self) -> tuple[int, int]:
-        return len(self.prompt_ids), len(self.token_ids)
-
 
 async def collect(generation: Generation) -> str:
     """The whole text of a non-streamed response (token ids, logprobs and finish reason stay on
