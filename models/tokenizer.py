@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import re
@@ -71,6 +72,7 @@ class Tokenizer:
         self._added: dict[str, int] = {}  # sentencepiece path: text matched before segmentation
         self._special: set[int] = set()  # sentencepiece path: ids that skip_special_tokens drops
         self._template = None
+        self._byte_level: bool | None = None  # the decoder maps byte-level BPE pieces (token_bytes; found once)
         self.chat_template = _chat_template(Path(path), cfg)
         self._special_text = {k: s for k in _NAMED_SPECIALS if (s := _token_text(cfg.get(k))) is not None}
         # Unnamed special tokens: "additional_special_tokens" (v4) / "extra_special_tokens" (v5).
@@ -168,6 +170,31 @@ class Tokenizer:
                 tokens.append(self._pieces[i])
         return _llama_decode(tokens, self._strip_space)
 
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token `i` stands for in a text (UTF-8; a byte-level or byte-fallback token may hold part
+        of a character; a "▁" piece's space is kept, as in the middle of a text). b"" for an unknown id."""
+        i = int(i)
+        if self._tok is not None:
+            piece = self._tok.id_to_token(i)
+            if piece is None:
+                return b""
+            if self._byte_level is None:
+                self._byte_level = _decoder_types(self._tok.decoder) & {"ByteLevel"} != set()
+            if self._byte_level and i not in self._tok.get_added_tokens_decoder():
+                alphabet = _byte_level_alphabet()
+                if all(c in alphabet for c in piece):
+                    return bytes(alphabet[c] for c in piece)
+                return piece.encode()
+        elif i in self._id_to_added:
+            return self._id_to_added[i].encode()
+        elif 0 <= i < len(self._pieces):
+            piece = self._pieces[i]
+        else:
+            return b""
+        if m := _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(m[1], 16)])
+        return piece.replace("▁", " ").encode()
+
     def token_to_id(self, token: str | None) -> int | None:
         """Id of one token string (a piece or an added token), or None."""
         if token is None:
@@ -220,6 +247,34 @@ class Tokenizer:
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_types(decoder) -> set[str]:
+    """The kinds of step in a `tokenizers` decoder ("ByteLevel", "Replace", ...), nested ones included."""
+    if decoder is None:
+        return set()
+    found: set[str] = set()
+
+    def walk(node):
+        if isinstance(node, dict):
+            if isinstance(node.get("type"), str):
+                found.add(node["type"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(json.loads(decoder.__getstate__()))
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (the inverse of `gguf_tokenizer.byte_alphabet`)."""
+    from .gguf_tokenizer import byte_alphabet
+
+    return {c: b for b, c in byte_alphabet().items()}
 
 
 def _llama_decode(tokens: list[str], strip_space: bool) -> str:

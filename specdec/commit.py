@@ -1,8 +1,9 @@
 """What a forward gave each row, and the one place it is committed to the requests.
 
 A prefill and a decoding step (specdec/speculative.py) end with one read of the device and return a
-`StepOutput`: each row's emitted tokens (on the host) with its finiteness flags. `commit` alone writes a
-request's output: non-finite checks, the tokens (`Request.commit` stops exactly where AR decoding would),
+`StepOutput`: each row's emitted tokens (on the host) with its finiteness flags (and, for rows that ask,
+each token's log-probabilities). `commit` alone writes a request's output: non-finite checks, the tokens
+(`Request.commit` stops exactly where AR decoding would; a token's log-probabilities go with it),
 the request's and the run's statistics, auto k's acceptance record. The engine commits a decoding step in
 its postprocess; a scheduler commits a prefill as soon as it ran (a request can finish at its first token,
 before it takes a row).
@@ -22,6 +23,8 @@ class StepOutput:
     speculative: bool = False  # a verification (drafts were proposed), not a target-only step
     draft_finite: list[bool] | None = None  # per row: the draft's logits were finite (speculative steps)
     sources: list[str] | None = None  # per row: the drafter of its drafts (None: the proposer's name)
+    logprobs: list | None = None  # per row: a TokenLogprob per emitted token, or None (the row did not ask);
+    # None when no row asked (specdec/logprobs.py)
 
     @property
     def accepted(self) -> list[int]:
@@ -43,7 +46,7 @@ def commit(ctx, requests: list, out: StepOutput) -> None:
             if out.speculative:
                 request.accepted.append(len(tokens) - 1)
             request.step_ks.append(out.offered[i])
-        m.generated_tokens += request.commit(tokens)
+        m.generated_tokens += request.commit(tokens, out.logprobs[i] if out.logprobs is not None else None)
     if out.offered is None:  # a prefill: every row's first token
         m.first_tokens += len(requests)
         return

@@ -56,6 +56,8 @@ class RequestDelta:
     num_prompt_tokens: int
     num_output_tokens: int  # emitted so far, this step's included
     output: RequestOutput | None = None  # the whole request, once finished
+    choice: int = 0  # which of the request's n completions (SamplingParams.n) gained the tokens
+    logprobs: list | None = None  # with SamplingParams.logprobs: a TokenLogprob per token of token_ids
 
 
 class Engine:
@@ -84,18 +86,24 @@ class Engine:
         self._lock = threading.Lock()
         self._stepping = threading.Lock()
         self._inbox: deque[Request] = deque()  # added since the last step
-        self._aborts: list[str] = []
-        self._live: dict[str, Request] = {}  # every request added and not yet reported finished
+        self._aborts: list[tuple[str, int | None]] = []  # (request id, choice or None: every choice)
+        self._live: dict[tuple[str, int], Request] = {}  # (id, choice) -> every request added, not yet reported finished
+        self._ids: dict[str, int] = {}  # request id -> its choices in `_live` (an id is in use while any is)
         self._next_index = 0
         self._running = 0  # published by each step, for other threads
         self._checked = (0, 0)  # (rows, columns) whose caches were found to fit in memory
         self.stream_text = stream_text
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # request id -> its text so far (streaming)
+        self._detokenizers: dict[tuple, IncrementalDetokenizer] = {}  # (id, choice) -> its text so far (streaming)
 
     # ------------------------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request: `prompt` is text (encoded with the tokenizer) or a list of token ids. Raises
-        ValueError/TypeError, naming the request, if it cannot run. Returns its id."""
+        ValueError/TypeError, naming the request, if it cannot run. Returns its id.
+
+        With `params.n` > 1 the request is n requests of the same prompt, choices 0..n-1 under the one id
+        (each delta names its `choice`), choice j sampled with `params.for_choice(j)`. They are queued
+        together, so they are admitted together while rows are free. (Where a prefix cache would let them
+        share the prompt's prefill: they hold one `prompt_ids` list.)"""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -106,22 +114,25 @@ class Engine:
         ids = self.llm.prompt_ids(prompt, name)
         self.llm.check_request(ids, params, index, name)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.llm.eos_token_ids))
-        self._check_memory(positions_needed(len(ids), params.max_tokens, self.ctx.k_max))
+        self._check_memory(positions_needed(len(ids), params.max_tokens, self.ctx.k_max), params.n)
         rid = str(index) if request_id is None else str(request_id)
-        request = Request(index, ids, params, frozenset(stop), request_id=rid)
+        requests = [Request(index, ids, params.for_choice(j) if params.n > 1 else params, frozenset(stop),
+                            request_id=rid, choice=j) for j in range(params.n)]
         with self._lock:
-            if rid in self._live:
+            if rid in self._ids:
                 raise ValueError(f"request id {rid!r} is already in use")
-            self._live[rid] = request
-            self._inbox.append(request)
+            self._ids[rid] = len(requests)
+            for request in requests:
+                self._live[request.key] = request
+            self._inbox.extend(requests)
         return rid
 
-    def _check_memory(self, capacity: int) -> None:
-        """Refuse a request whose admission could make the caches outgrow the memory available: checked
-        for the rows that can run with it (rounded up to a power of two, at most the batch's or pool's
-        rows) and the most columns any request needs, each time either grows."""
+    def _check_memory(self, capacity: int, count: int = 1) -> None:
+        """Refuse a request (of `count` choices) whose admission could make the caches outgrow the memory
+        available: checked for the rows that can run with it (rounded up to a power of two, at most the
+        batch's or pool's rows) and the most columns any request needs, each time either grows."""
         with self._lock:
-            live = len(self._live) + 1
+            live = len(self._live) + count
             capacity = max(capacity, self._checked[1])
         bound = self.scheduler.rows_for(1 << 62)
         rows = min(bound, self.scheduler.rows_for(1 << (live - 1).bit_length()))
@@ -130,14 +141,16 @@ class Engine:
             with self._lock:
                 self._checked = (max(rows, self._checked[0]), capacity)
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request: its row is freed at the next step, which reports it finished ("abort"). False if
-        no unfinished request has this id."""
+    def abort(self, request_id: str, choice: int | None = None) -> bool:
+        """Stop a request (every choice of it, or only `choice`): its rows are freed at the next step, which
+        reports them finished ("abort"). False if no unfinished request (choice) has this id."""
+        rid = str(request_id)
         with self._lock:
-            request = self._live.get(str(request_id))
-            if request is None or request.finished:
+            live = [r for key, r in self._live.items() if key[0] == rid and choice in (None, key[1])] \
+                if rid in self._ids else []
+            if all(r.finished for r in live):
                 return False
-            self._aborts.append(str(request_id))
+            self._aborts.append((rid, choice))
             return True
 
     def has_unfinished(self) -> bool:
@@ -183,11 +196,14 @@ class Engine:
             self._aborts = []
         self.scheduler.waiting.extend(arrivals)
         self.metrics.num_requests += len(arrivals)
-        for rid in aborts:
-            request = self._live.get(rid)  # None: it finished (and was reported) before the abort arrived
-            if request is not None and not request.finished:
-                request.finish(now=time.perf_counter(), reason="abort")
-                self.scheduler.release(request)
+        for rid, choice in aborts:
+            # a choice no longer live finished (and was reported) before the abort arrived
+            with self._lock:
+                aborted = [r for key, r in self._live.items() if key[0] == rid and choice in (None, key[1])]
+            for request in aborted:
+                if not request.finished:
+                    request.finish(now=time.perf_counter(), reason="abort")
+                    self.scheduler.release(request)
         self._prepare_chooser()
         self.scheduler.admit()
         batch = self.scheduler.select()
@@ -234,35 +250,40 @@ class Engine:
         finished = []
         with self._lock:
             live = list(self._live.items())
-        for rid, r in live:
-            new = r.output_ids[r.reported:]
+        for key, r in live:
+            start = r.reported
+            new = r.output_ids[start:]
             if not new and not r.finished:
                 continue
             r.reported = len(r.output_ids)
             text, full = "", None
             if tokenizer is not None:  # a few tokens per step (specdec/detokenizer.py), the whole output once
                 if r.finished:
-                    detokenizer = self._detokenizers.pop(rid, None) or IncrementalDetokenizer(tokenizer)
+                    detokenizer = self._detokenizers.pop(key, None) or IncrementalDetokenizer(tokenizer)
                     text, full = detokenizer.finish(r.output_ids)
                 elif self.stream_text:
-                    detokenizer = self._detokenizers.get(rid)
+                    detokenizer = self._detokenizers.get(key)
                     if detokenizer is None:
-                        detokenizer = self._detokenizers[rid] = IncrementalDetokenizer(tokenizer)
+                        detokenizer = self._detokenizers[key] = IncrementalDetokenizer(tokenizer)
                     text = detokenizer.step(r.output_ids)
             output = None
             if r.finished:
                 output = RequestOutput.from_request(r, None, full)
-                finished.append(rid)
+                finished.append(key)
                 self.metrics.latencies_s.append(output.latency_s)
                 self.metrics.ttfts_s.append(output.time_to_first_token_s)
                 if self.proposer is not None:
                     self.proposer.release(r)
-            deltas.append(RequestDelta(rid, new, text, r.finished, r.finish_reason, len(r.prompt_ids),
-                                       len(r.output_ids), output))
+            deltas.append(RequestDelta(r.request_id, new, text, r.finished, r.finish_reason, len(r.prompt_ids),
+                                       len(r.output_ids), output, r.choice,
+                                       None if r.logprobs is None else r.logprobs[start:]))
         running = len(self.scheduler.running())
         with self._lock:
-            for rid in finished:
-                del self._live[rid]
+            for key in finished:
+                del self._live[key]
+                self._ids[key[0]] -= 1
+                if not self._ids[key[0]]:
+                    del self._ids[key[0]]
             self._running = running
         return deltas
 

@@ -28,9 +28,20 @@ DEFAULT_LOOKUP = "suffix"  # the drafter of a target with no draft given and non
 
 
 class Outputs(list):
-    """The per-request outputs, in prompt order, with the run's aggregate `metrics`."""
+    """The per-request outputs, in prompt order, with the run's aggregate `metrics`. A prompt asked with
+    `SamplingParams(n=...)` has n consecutive outputs, choices 0..n-1 (`output.index` is the prompt's,
+    `output.choice` the completion's); with n = 1 everywhere, outputs[i] is prompt i's."""
 
     metrics: RunMetrics
+
+    def by_prompt(self) -> list[list]:
+        """The outputs grouped per prompt: [prompt 0's choices, prompt 1's, ...]."""
+        groups: list[list] = []
+        for out in self:
+            if out.choice == 0:
+                groups.append([])
+            groups[-1].append(out)
+        return groups
 
 
 def model_name(spec, role: str) -> str:
@@ -302,8 +313,9 @@ class LLM:
         `stream_text=False`: each delta's text stays "" until its request finishes (nothing detokenized per step)."""
         return Engine(self, batch_size, stream_text)
 
-    def _add_all(self, engine, prompts, prompt_token_ids, sampling_params) -> list | None:
-        """Add every prompt to `engine` (request i is "i"); returns the prompt texts (None for token ids)."""
+    def _add_all(self, engine, prompts, prompt_token_ids, sampling_params) -> tuple[list | None, list[int]]:
+        """Add every prompt to `engine` (request i is "i"); returns the prompt texts (None for token ids) and
+        each prompt's number of choices (`SamplingParams.n`)."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts (text) or prompt_token_ids")
         if isinstance(prompts, str):
@@ -329,7 +341,7 @@ class LLM:
                 raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}")
         for item, params in zip(items, sampling_params):
             engine.add_request(item, params)
-        return prompts
+        return prompts, [params.n for params in sampling_params]
 
     @torch.inference_mode()
     def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, use_tqdm: bool = False,
@@ -339,10 +351,14 @@ class LLM:
         `on_output(RequestOutput)`, if given, is called for each request as soon as it finishes (in
         completion order), e.g. to stream results to a file while the rest is still decoding.
         `batch_size` overrides the LLM's for this call (e.g. to compare batch 1 with the same models).
+        A prompt with `SamplingParams(n=...)` gets n consecutive outputs, its choices in order (`Outputs`).
         Runs on an `Engine`: every request added, then steps until all have finished."""
         engine = self.engine(batch_size, stream_text=False)  # only the final texts are returned
-        prompts = self._add_all(engine, prompts, prompt_token_ids, sampling_params)
-        total = engine.num_waiting
+        prompts, choices = self._add_all(engine, prompts, prompt_token_ids, sampling_params)
+        first = [0]  # where each prompt's choices start in the outputs
+        for n in choices:
+            first.append(first[-1] + n)
+        total = first[-1]
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -353,7 +369,7 @@ class LLM:
             done = [d.output for d in engine.step() if d.finished]
             for out in done:
                 out.prompt = prompts[out.index] if prompts else None
-                outputs[out.index] = out
+                outputs[first[out.index] + out.choice] = out
                 if on_output is not None:
                     on_output(out)
             if bar is not None and done:

@@ -25,10 +25,20 @@ class Request:
     request_id: str = ""  # the Engine's name for it
     reported: int = 0  # output tokens already returned in a RequestDelta
     acceptance: list[float] = field(default_factory=lambda: [0.0, 0.0])  # auto k's decayed [accepted, offered]
+    choice: int = 0  # which of its request's n completions this is (SamplingParams.n): (request_id, choice) is unique
+    logprobs: list | None = None  # a TokenLogprob per output token (specdec/logprobs.py), if params.logprobs is set
 
     def __post_init__(self):
         if self.seed is None and not self.params.greedy:
             self.seed = request_seed(self.params.seed)
+        if self.logprobs is None and self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """What names this row of work: its request's id and its choice (the n choices of one request share
+        the id)."""
+        return self.request_id, self.choice
 
     @property
     def finished(self) -> bool:
@@ -38,13 +48,16 @@ class Request:
     def sequence_length(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def commit(self, tokens: list[int]) -> int:
-        """Append emitted tokens, stopping exactly where AR decoding would. Returns how many were kept."""
+    def commit(self, tokens: list[int], logprobs: list | None = None) -> int:
+        """Append emitted tokens (with their log-probabilities, when the request asks: `logprobs`, one per
+        token), stopping exactly where AR decoding would. Returns how many were kept."""
         kept = 0
-        for token in tokens:
+        for j, token in enumerate(tokens):
             if self.finished:
                 break
             self.output_ids.append(token)
+            if self.logprobs is not None:
+                self.logprobs.append(logprobs[j])
             kept += 1
             if token in self.stop_ids:
                 self.finish_reason = "stop"
@@ -76,9 +89,17 @@ class RequestOutput:
     latency_s: float
     time_to_first_token_s: float
     longest_wait_steps: int  # EXSPEC: the longest run of steps it sat in the pool unscheduled
+    choice: int = 0  # which of the prompt's n completions (SamplingParams.n) this is
+    logprobs: list | None = None  # with SamplingParams.logprobs: a TokenLogprob per token of token_ids
 
     @classmethod
     def from_request(cls, r: Request, prompt: str | None, text: str | None) -> "RequestOutput":
         return cls(r.index, prompt, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason,
                    list(r.accepted), list(r.step_ks), (r.finished_at or r.submitted_at) - r.submitted_at,
-                   (r.first_token_at or r.submitted_at) - r.submitted_at, r.longest_wait_steps)
+                   (r.first_token_at or r.submitted_at) - r.submitted_at, r.longest_wait_steps, r.choice,
+                   None if r.logprobs is None else list(r.logprobs))
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the tokens' log-probabilities (None unless they were asked for)."""
+        return None if self.logprobs is None else sum(e.logprob for e in self.logprobs)

@@ -14,6 +14,7 @@ Two samplers decide a sampling row's tokens in a speculative step (docs/design.m
 Everything here takes plain tensors and lists; nothing reads the device back."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import secrets
@@ -39,8 +40,18 @@ class SamplingParams:
     Without a seed a random one is drawn when the request is created (fixed for its life) and rejection
     sampling is used: exact in distribution, more drafts accepted, not reproducible across runs.
 
+    `n` asks for n completions of the prompt (1..MAX_N): they are n requests of one prompt, choice j
+    sampled with the key `choice_seed(seed, j)` (choice 0 with the seed itself; without a seed each
+    choice draws its own random key).
+
+    `logprobs` (None: off; 0..MAX_LOGPROBS) asks for the log-probability of every generated token and the
+    `logprobs` most likely tokens at its position: the target's raw distribution, log_softmax of its
+    logits before temperature / top-k / top-p (vLLM's default, "raw_logprobs"), in float32 (float64 for a
+    float64 model), the same whatever the method or k (specdec/logprobs.py).
+
     Every field is validated here: a bad value raises ValueError naming the field (non-finite
-    temperature/top_p, negative top_k, non-integer counts or ids, a seed outside [-2**63, 2**64)).
+    temperature/top_p, negative top_k, non-integer counts or ids, a seed outside [-2**63, 2**64), n or
+    logprobs out of range).
     """
 
     max_tokens: int = 128
@@ -50,6 +61,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self):
         def is_int(x) -> bool:
@@ -79,11 +92,38 @@ class SamplingParams:
             refuse("stop_token_ids", "non-negative integer token ids", self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             refuse("ignore_eos", "True or False", self.ignore_eos)
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            refuse("n", f"an integer in 1..{MAX_N}", self.n)
+        if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            refuse("logprobs", f"None or an integer in 0..{MAX_LOGPROBS}", self.logprobs)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def for_choice(self, choice: int) -> "SamplingParams":
+        """The parameters of choice `choice` (0..n-1) of this request: one completion (n = 1), seeded with
+        `choice_seed(seed, choice)` (choice 0 keeps the seed: it is the n = 1 request's sample)."""
+        seed = None if self.seed is None else choice_seed(self.seed, choice)
+        return dataclasses.replace(self, n=1, seed=seed)
+
+
+MAX_N = 16  # the most completions one request may ask for (n); each is a request of its own
+MAX_LOGPROBS = 20  # the most top log-probabilities per token (OpenAI's chat limit)
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a request seeded with `seed`: the seed itself for choice 0, else
+    splitmix64((seed mod 2**64) + choice) -- deterministic, and distinct choices of one seed get unrelated
+    keys (choice j of seed s is not choice 0 of seed s + j)."""
+    if choice == 0:
+        return seed
+    z = (int(seed) + choice) % (1 << 64)
+    z = (z + 0x9E3779B97F4A7C15) % (1 << 64)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    return z ^ (z >> 31)
 
 
 def probs_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -151,11 +191,15 @@ class RowParams:
     coupled: torch.Tensor  # [B] bool: sampled by the coupled sampler
     host_coupled: list[bool]
     filtered: bool  # some row uses top-k or top-p
+    host_logprobs: list[int | None] = field(default_factory=list)  # per row: top log-probabilities asked (None: off)
+    logprob_rows: torch.Tensor | None = None  # [R] int64: the rows that ask for log-probabilities (None: none)
 
     @classmethod
     def of(cls, params: list[SamplingParams], seeds: list, device) -> "RowParams":
         """`seeds`: each request's key (`request_seed`), None for greedy rows."""
         host_coupled = [coupled(p) for p in params]
+        host_logprobs = [p.logprobs for p in params]
+        asking = [i for i, n in enumerate(host_logprobs) if n is not None]
         return cls(torch.tensor([p.greedy for p in params], device=device),
                    torch.tensor([p.temperature for p in params], dtype=torch.float64, device=device),
                    torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
@@ -163,7 +207,8 @@ class RowParams:
                    [p.greedy for p in params],
                    torch.tensor([0 if s is None else s for s in seeds], dtype=torch.int64, device=device),
                    torch.tensor(host_coupled, dtype=torch.bool, device=device), host_coupled,
-                   any(p.top_k > 0 or p.top_p < 1.0 for p in params))
+                   any(p.top_k > 0 or p.top_p < 1.0 for p in params), host_logprobs,
+                   torch.tensor(asking, dtype=torch.int64, device=device) if asking else None)
 
     @property
     def all_greedy(self) -> bool:

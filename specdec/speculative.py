@@ -10,7 +10,8 @@ it to the requests (specdec/commit.py), then the left-padded layout realigns (th
 token; a draft model skips it and catches up in its next forward (batch.py).
 
 A step reads the device once: one small tensor holding each row's emitted tokens, accepted count and
-finiteness flags, needed on the host for stop detection and request bookkeeping (in the commit). Everything else the
+finiteness flags, needed on the host for stop detection and request bookkeeping (in the commit), and, for
+rows that ask, the target's log-probabilities at the emitted positions (specdec/logprobs.py). Everything else the
 host needs to plan the next forward (lengths, widths, which rows sample) it already knows.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from specdec.kernels.rejection import random_slot, rejection_sample
 
 from .batch import LEFT_PADDED, Batch, DecodeContext, finite_rows, row_params
 from .commit import StepOutput
+from .logprobs import StepLogprobs, read_back
 from .proposers import Proposal
 from .request import Request
 from .sampling import choose_tokens, draw_step_noise, sample_race
@@ -77,23 +79,28 @@ def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: 
     # else deferred: an empty draft cache, the whole sequence is its lag
     first = choose_tokens(logits, batch.params, ctx.probs_dtype, batch.seq_len, lengths, ctx.kernel_backend)  # [B]
     batch.append(first[:, None], torch.ones_like(first))
-    readback = torch.stack([first, finite_rows(logits).to(torch.int64)], dim=1).tolist()  # the one sync
-    return batch, StepOutput([[token] for token, _ in readback], [bool(f) for _, f in readback], "prefill")
+    logprobs = StepLogprobs.of(logits, batch.params, ctx.probs_dtype)  # None unless some row asks
+    readback, values = read_back(torch.stack([first, finite_rows(logits).to(torch.int64)], dim=1), logprobs,
+                                 first)  # the one sync
+    tokens = [[token] for token, _ in readback]
+    return batch, StepOutput(tokens, [bool(f) for _, f in readback], "prefill",
+                             logprobs=logprobs.parse(values, tokens, batch.params.host_logprobs) if logprobs else None)
 
 
 def verify(ctx: DecodeContext, batch: Batch, draft_ids):
     """Target logits at the k+1 positions [B, k+1, V] -> argmax [B, k+1] (None when no row is greedy),
-    probabilities [B, k+1, V] (None when all rows are greedy), and [B] bool: the row's logits are finite."""
+    probabilities [B, k+1, V] (None when all rows are greedy), [B] bool: the row's logits are finite, and
+    the log-probabilities of the rows that ask for them (None when none does)."""
     params = batch.params
     pending = batch.last_tokens(1, batch.target_cache.layout)  # [B, 1]
     logits = target_forward(ctx, batch, torch.cat([pending, draft_ids], dim=1))[..., : ctx.vocab_size]  # [B, k+1, V]
     target_argmax = logits.argmax(dim=-1) if params.any_greedy else None  # [B, k+1]
     target_probs = None if params.all_greedy else params.probs(logits, ctx.probs_dtype)  # [B, k+1, V]
-    return target_argmax, target_probs, finite_rows(logits)
+    return target_argmax, target_probs, finite_rows(logits), StepLogprobs.of(logits, params, ctx.probs_dtype)
 
 
 def accept(ctx: DecodeContext, batch: Batch, k: int, proposal: Proposal, target_argmax, target_probs, target_ok,
-           noise) -> StepOutput:
+           noise, logprobs: StepLogprobs | None = None) -> StepOutput:
     """Choose each row's emitted tokens, read them back (the step's one synchronisation), and set the
     target cache's lengths (the proposer's own state: `observe`). Returns what each row emitted, for the
     engine to commit (specdec/commit.py).
@@ -102,7 +109,8 @@ def accept(ctx: DecodeContext, batch: Batch, k: int, proposal: Proposal, target_
     equal the target's argmax; coupled rows while they equal the target's race sample argmax(p / E) with
     the step's RACE noise (the E a draft model proposed with), and emit the target's sample at the first
     mismatch: every token is the target's own; rejection rows by rejection sampling (`noise.uniforms`, and
-    the residual noise of the slot each row emits at)."""
+    the residual noise of the slot each row emits at). `logprobs`: the verify pass's, for rows that ask:
+    the emitted tokens' values ride in the same read."""
     params = batch.params
     draft_ids = proposal.tokens
     if params.any_coupled:
@@ -124,7 +132,7 @@ def accept(ctx: DecodeContext, batch: Batch, k: int, proposal: Proposal, target_
     batch.append(output, num_accepted + 1)
     draft_finite = proposal.finite if proposal.finite is not None else torch.ones_like(target_ok)  # [B]
     flags = torch.stack([num_accepted, target_ok.to(torch.int64), draft_finite.to(torch.int64)], dim=1)  # [B, 3]
-    readback = torch.cat([output, flags], dim=1).tolist()  # [B, k+4]: the step's one read of the device
+    readback, values = read_back(torch.cat([output, flags], dim=1), logprobs, output)  # [B, k+4]: the one read
     seq_before = batch.host_seq_len
     counts = [row[k + 1] for row in readback]
     # the verify pass cached the pending token and all k drafts: keep the pending one and the accepted
@@ -132,9 +140,11 @@ def accept(ctx: DecodeContext, batch: Batch, k: int, proposal: Proposal, target_
     target.set_rows(length=target.length - (k - num_accepted),
                     host_length=[s + a for s, a in zip(seq_before, counts)])
     ctx.proposer.observe(batch, k, seq_before, counts, num_accepted)
-    return StepOutput([row[: a + 1] for row, a in zip(readback, counts)], [bool(row[k + 2]) for row in readback],
+    tokens = [row[: a + 1] for row, a in zip(readback, counts)]
+    return StepOutput(tokens, [bool(row[k + 2]) for row in readback],
                       f"decoding step {ctx.metrics.steps}", offered=list(proposal.lengths), speculative=True,
-                      draft_finite=[bool(row[k + 3]) for row in readback], sources=proposal.sources)
+                      draft_finite=[bool(row[k + 3]) for row in readback], sources=proposal.sources,
+                      logprobs=logprobs.parse(values, tokens, params.host_logprobs) if logprobs else None)
 
 
 def target_forward(ctx: DecodeContext, batch: Batch, x):
@@ -158,9 +168,9 @@ def speculative_step(ctx: DecodeContext, batch: Batch, k: int, plan) -> StepOutp
     with ctx.timer.phase("draft"):
         proposal = ctx.proposer.propose(ctx, batch, k, noise, plan)
     with ctx.timer.phase("verify"):
-        target_argmax, target_probs, target_ok = verify(ctx, batch, proposal.tokens)
+        target_argmax, target_probs, target_ok, logprobs = verify(ctx, batch, proposal.tokens)
     with ctx.timer.phase("accept"):
-        out = accept(ctx, batch, k, proposal, target_argmax, target_probs, target_ok, noise)
+        out = accept(ctx, batch, k, proposal, target_argmax, target_probs, target_ok, noise, logprobs)
     ctx.metrics.record_step(k)
     return out
 
@@ -174,9 +184,13 @@ def target_step(ctx: DecodeContext, batch: Batch) -> StepOutput:
         tokens = choose_tokens(logits, batch.params, ctx.probs_dtype, batch.seq_len, batch.host_seq_len,
                                ctx.kernel_backend)  # [B]
         batch.append(tokens[:, None], torch.ones_like(tokens))
-        readback = torch.stack([tokens, finite_rows(logits).to(torch.int64)], dim=1).tolist()  # the one sync
-    out = StepOutput([[token] for token, _ in readback], [bool(f) for _, f in readback],
-                     f"decoding step {ctx.metrics.steps}", offered=[0] * len(readback))
+        logprobs = StepLogprobs.of(logits, batch.params, ctx.probs_dtype)  # None unless some row asks
+        readback, values = read_back(torch.stack([tokens, finite_rows(logits).to(torch.int64)], dim=1), logprobs,
+                                     tokens)  # the one sync
+        emitted = [[token] for token, _ in readback]
+    out = StepOutput(emitted, [bool(f) for _, f in readback], f"decoding step {ctx.metrics.steps}",
+                     offered=[0] * len(readback),
+                     logprobs=logprobs.parse(values, emitted, batch.params.host_logprobs) if logprobs else None)
     ctx.metrics.record_step(0)
     return out
 

@@ -157,3 +157,37 @@ def test_lookup_steps_read_once(pair, method, drafter, monkeypatch):
     steps = reads_per_step(llm, prompts, params, monkeypatch, arrive_at=[0, 0, 0, 1, 2, 2, 4, 6, 6, 7])
     assert all(reads == decoded + prefills for reads, prefills, decoded in steps), f"{method}: {steps}"
     assert sum(d for _, _, d in steps) > 5
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the calls of some aten ops (by name: which one dispatches depends on inference mode)."""
+
+    def __init__(self, *names):
+        super().__init__()
+        self.names, self.count = names, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.names:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("method", ["ar", "eqspec", "ragged", "exspec"])
+def test_logprobs_ride_in_the_one_read_and_cost_nothing_when_nobody_asks(pair, method, monkeypatch):
+    """Rows asking for logprobs (some rows, mixed top counts; admissions and aborts mid-run): still one read
+    per step and one per prefill. A run where no row asks computes no log_softmax at all."""
+    import dataclasses
+
+    target, draft = pair
+    prompts, params = mixed_requests(n=12, seed=4)
+    asking = [dataclasses.replace(p, logprobs=[None, 0, 3, 5][i % 4]) for i, p in enumerate(params)]
+    llm = LLM(target, None if method == "ar" else draft, method=method, num_speculative_tokens=3, batch_size=4,
+              dtype="float32", check_invariants=False, cost_cache="")
+    arrive_at = [0, 0, 0, 2, 3, 3, 5, 8, 8, 9, 12, 15]
+    steps = reads_per_step(llm, prompts, asking, monkeypatch, arrive_at, abort_at={1: 2, 6: 7})
+    assert all(reads == decoded + prefills for reads, prefills, decoded in steps), f"{method}: {steps}"
+    for asked, counted in ((params, 0), (asking, None)):
+        ops = OpCounter("log_softmax", "_log_softmax")
+        with ops:
+            llm.generate(prompt_token_ids=prompts, sampling_params=asked)
+        assert ops.count == 0 if counted == 0 else ops.count > 0

@@ -107,7 +107,7 @@ def test_a_row_matches_its_own_earlier_text_not_its_current_end():
     """A row's trie holds its current suffix too (with nothing after it): the match is the longest suffix
     that occurred earlier followed by something."""
     proposer = SuffixProposer(store=None, max_spec_factor=4.0)
-    request = type("R", (), {"request_id": "0", "prompt_ids": [5, 1, 2, 3, 8, 6, 1, 2, 3], "output_ids": []})()
+    request = type("R", (), {"request_id": "0", "key": ("0", 0), "prompt_ids": [5, 1, 2, 3, 8, 6, 1, 2, 3], "output_ids": []})()
     assert proposer.drafts(request, 4) == [8, 6, 1, 2]
     request.output_ids = [8]
     assert proposer.drafts(request, 2) == [6, 1]

@@ -196,6 +196,76 @@ def test_seed_makes_sampling_repeatable(client):
     assert len({sample(seed) for seed in (1, 2, 3)}) > 1
 
 
+# ----------------------------------------------------------------------------------------- logprobs and n
+
+
+@pytest.fixture(scope="module")
+def ar_offline(template_file):
+    """Target-only AR, batch-invariant float32 like the server: the reference for logprobs."""
+    llm = LLM(DEFAULT_TARGET, method="ar", batch_size=BATCH, batch_invariant=True, check_invariants=False)
+    set_chat_template(llm.tokenizer, template_file)
+    return llm
+
+
+def test_logprobs_through_the_openai_client_equal_ar_logprobs(client, ar_offline):
+    """Completions (logprobs=3) and streamed chat (logprobs, top_logprobs=3): the server's speculative
+    (eqspec) logprobs are AR's for the same tokens, top entries included (the same bits here: both
+    batch-invariant; a JSON float round-trips exactly)."""
+    strings = [ar_offline.tokenizer.token_bytes(i).decode("utf-8", "replace") for i in range(4000)]
+    prompt = PROMPTS[19]
+    (ref,) = ar_offline.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, logprobs=3))
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=3,
+                                  extra_body={"return_token_ids": True})
+    got = r.choices[0]
+    assert got.token_ids == ref.token_ids
+    assert got.logprobs.tokens == [strings[t] for t in ref.token_ids]
+    assert got.logprobs.token_logprobs == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-6)
+    for top, e in zip(got.logprobs.top_logprobs, ref.logprobs):
+        assert top == pytest.approx({**{strings[i]: v for i, v in e.top}, strings[e.token_id]: e.logprob}, abs=1e-6)
+
+    messages = [{"role": "user", "content": PROMPTS[20]}]
+    (ref,) = ar_offline.generate(prompt_token_ids=[chat_ids(ar_offline, messages)],
+                                 sampling_params=SamplingParams(max_tokens=MAX_TOKENS, logprobs=3))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    entries = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [bytes(e.bytes) for e in entries] == [ar_offline.tokenizer.token_bytes(t) for t in ref.token_ids]
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-6)
+    assert [[(t.token, t.logprob) for t in e.top_logprobs] for e in entries] == [
+        [(strings[i], pytest.approx(v, abs=1e-6)) for i, v in e.top] for e in ref.logprobs]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+
+
+def test_n_choices_through_the_openai_client(client):
+    """n = 3 seeded: choices 0..2, choice 0 is the n = 1 sample of the seed, choice j the sample of
+    choice_seed(seed, j); streamed, every chunk names its choice and each choice's text is the same."""
+    from specdec.sampling import choice_seed
+
+    def ask(**fields):
+        return client.completions.create(model=MODEL, prompt=PROMPTS[21], max_tokens=MAX_TOKENS, temperature=1.0,
+                                         **fields)
+
+    r = ask(n=3, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.text for c in r.choices]
+    assert len(set(texts)) == 3
+    assert texts == [ask(seed=choice_seed(7, j)).choices[0].text for j in range(3)]
+    assert r.usage.completion_tokens == sum(ask(seed=choice_seed(7, j)).usage.completion_tokens for j in range(3))
+    streamed = ["", "", ""]
+    for chunk in ask(n=3, seed=7, stream=True):
+        (choice,) = chunk.choices
+        streamed[choice.index] += choice.text
+    assert streamed == texts
+
+
+def test_best_of_through_the_openai_client(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[22], max_tokens=8, temperature=1.0, seed=3, n=2,
+                                  best_of=4, logprobs=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    sums = [sum(c.logprobs.token_logprobs) for c in r.choices]
+    assert sums[0] >= sums[1]
+
+
 # ----------------------------------------------------------------------------------------- rows and metrics
 
 
@@ -226,6 +296,29 @@ def test_dropped_client_frees_its_row_and_the_server_goes_on(server, client):
     assert metric(text, "specdec_generation_tokens_total") - metric(before, "specdec_generation_tokens_total") < 150
     r = client.completions.create(model=MODEL, prompt=PROMPTS[15], max_tokens=8, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_dropped_client_of_n_choices_frees_every_row(server):
+    """A stream of n = 3 closed mid-way: all three choices are aborted and their rows freed."""
+    def aborted(text):
+        return metric(text, "specdec_requests_finished_total", 'finish_reason="abort"') \
+            if 'finish_reason="abort"' in text else 0.0
+
+    before = aborted(httpx.get(f"{server}/metrics").text)
+    body = {"model": MODEL, "prompt": PROMPTS[23], "max_tokens": 150, "temperature": 1.0, "ignore_eos": True,
+            "stream": True, "n": 3}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{server}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            assert next(line for line in r.iter_lines() if line.startswith("data: ")).startswith("data: {")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{server}/metrics").text
+        if metric(text, "specdec_num_requests_running") == 0 and aborted(text) == before + 3:
+            break
+        time.sleep(0.05)
+    assert metric(text, "specdec_num_requests_running") == metric(text, "specdec_num_requests_waiting") == 0
+    assert aborted(text) == before + 3
 
 
 def test_metrics_exposition(server, client):
@@ -288,7 +381,7 @@ BAD_REQUESTS = {
     "unknown model": ("/v1/completions", completion(model="gpt-4"), 400, "model", "'gpt-4' is not served"),
     "string for an int": ("/v1/completions", completion(max_tokens="5"), 400, "max_tokens", "valid integer"),
     "bool for an int": ("/v1/completions", completion(max_tokens=True), 400, "max_tokens", "valid integer"),
-    "n > 1": ("/v1/completions", completion(n=2), 400, "n", "n > 1 is not supported"),
+    "n above its maximum": ("/v1/completions", completion(n=17), 400, "n", "less than or equal to 16"),
     "negative max_tokens": ("/v1/completions", completion(max_tokens=-3), 400, "max_tokens",
                             "greater than or equal to 1"),
     "negative temperature": ("/v1/completions", completion(temperature=-0.5), 400, "temperature",
@@ -300,7 +393,9 @@ BAD_REQUESTS = {
     "negative top_k": ("/v1/completions", completion(top_k=-1), 400, "top_k", "greater than or equal to 0"),
     "top_p above 1": ("/v1/completions", completion(top_p=1.5), 400, "top_p", "less than or equal to 1"),
     "unknown field": ("/v1/completions", completion(temprature=0), 400, "temprature", "Extra inputs"),
-    "unsupported logprobs": ("/v1/completions", completion(logprobs=2), 400, "logprobs", "not supported"),
+    "logprobs above its maximum": ("/v1/completions", completion(logprobs=21), 400, "logprobs",
+                                   "less than or equal to 20"),
+    "unsupported echo": ("/v1/completions", completion(echo=True), 400, "echo", "not supported"),
     "two prompts": ("/v1/completions", completion(prompt=["a", "b"]), 400, "prompt", "one prompt per request"),
     "bad prompt type": ("/v1/completions", completion(prompt={"text": "a"}), 400, "prompt", "a string or a list"),
     "empty prompt": ("/v1/completions", completion(prompt=""), 400, "prompt", "must not be empty"),
@@ -312,8 +407,14 @@ BAD_REQUESTS = {
     "empty messages": ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least 1"),
     "unknown role": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400,
                      "messages", "role"),
-    "chat n > 1": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3},
-                   400, "n", "n > 1 is not supported"),
+    "chat n above its maximum": ("/v1/chat/completions", {"model": MODEL, "n": 30,
+                                 "messages": [{"role": "user", "content": "x"}]}, 400, "n", "less than or equal to 16"),
+    "chat top_logprobs above its maximum": ("/v1/chat/completions", {"model": MODEL, "logprobs": True, "top_logprobs": 21,
+                                            "messages": [{"role": "user", "content": "x"}]}, 400, "top_logprobs",
+                                            "less than or equal to 20"),
+    "chat top_logprobs without logprobs": ("/v1/chat/completions", {"model": MODEL, "top_logprobs": 2,
+                                           "messages": [{"role": "user", "content": "x"}]}, 400, "top_logprobs",
+                                           "needs logprobs: true"),
     "negative max_completion_tokens": ("/v1/chat/completions", {"model": MODEL, "max_completion_tokens": -1,
                                        "messages": [{"role": "user", "content": "x"}]}, 400,
                                        "max_completion_tokens", "greater than or equal to 1"),

@@ -231,6 +231,20 @@ def test_decode_arbitrary_ids_match_hf(pairs):
             assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True), (kind, ids)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_token_bytes_concatenate_to_the_decoded_text(pairs, kind):
+    """`token_bytes` (the server's logprob `bytes`): each token's own bytes, byte-level and byte-fallback
+    pieces possibly part of a character; together they are the text (less the one leading space a Llama
+    decode strips)."""
+    ours, _ = pairs[kind]
+    for text in TEXTS:
+        ids = ours.encode(text, add_special_tokens=False)
+        joined = b"".join(ours.token_bytes(i) for i in ids).decode("utf-8")
+        decoded = ours.decode(ids, skip_special_tokens=False)
+        assert joined in (decoded, " " + decoded), (kind, text, [ours.token_bytes(i) for i in ids])
+    assert ours.token_bytes(ours.vocab_size + 10) == b""
+
+
 @pytest.mark.parametrize("kind", ["sp", "qwen"])
 def test_chat_template_matches_hf(pairs, kind):
     ours, hf = pairs[kind]

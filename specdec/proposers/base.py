@@ -61,7 +61,7 @@ class LookupProposer:
     name = "lookup"
 
     def __init__(self):
-        self.rows: dict = {}  # request id -> the row's index (created at its first step)
+        self.rows: dict = {}  # request key (id, choice) -> the row's index (created at its first step)
 
     def drafts(self, request, k_max: int) -> list[int]:
         raise NotImplementedError
@@ -76,4 +76,4 @@ class LookupProposer:
         pass
 
     def release(self, request) -> None:
-        self.rows.pop(request.request_id, None)
+        self.rows.pop(request.key, None)

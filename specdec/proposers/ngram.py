@@ -54,8 +54,8 @@ class NgramProposer(LookupProposer):
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
 
     def drafts(self, request, k_max: int) -> list[int]:
-        index = self.rows.get(request.request_id)
+        index = self.rows.get(request.key)
         if index is None:
-            index = self.rows[request.request_id] = NgramIndex(self.ngram_min, self.ngram_max)
+            index = self.rows[request.key] = NgramIndex(self.ngram_min, self.ngram_max)
         index.extend(tokens_since(request, len(index.seq)))
         return index.lookup(k_max)

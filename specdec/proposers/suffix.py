@@ -174,9 +174,9 @@ class SuffixProposer(LookupProposer):
         self.min_token_prob = min_token_prob
 
     def drafts(self, request, k_max: int) -> list[int]:
-        row = self.rows.get(request.request_id)
+        row = self.rows.get(request.key)
         if row is None:
-            row = self.rows[request.request_id] = RowTrie(self.depth)
+            row = self.rows[request.key] = RowTrie(self.depth)
         row.extend(tokens_since(request, len(row.seq)))
         k = min(k_max, self.depth - 1)
         seq = row.seq[-self.depth:]  # a match is at most depth - k tokens

@@ -1,5 +1,7 @@
 """One request in flight, as the HTTP handlers see it: its deltas from the engine turned into pieces of
-response (text, token ids, finish reason), with stop strings applied and latencies observed."""
+response (text, token ids, their log-probabilities, finish reason), with stop strings applied and latencies
+observed. A request of n choices is n `Generation`s (one per choice, each with its own queue and stop
+strings); `merged` interleaves their pieces as they come."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +16,7 @@ class Piece:
     text: str
     token_ids: list[int]  # the tokens this piece adds
     finish_reason: str | None  # "stop" | "length" on the last piece
+    logprobs: list | None = None  # a TokenLogprob per token of token_ids, when the request asked for them
 
 
 class Generation:
@@ -22,11 +25,13 @@ class Generation:
     itself (shutdown)."""
 
     def __init__(self, worker, metrics, decode, request_id: str, queue: asyncio.Queue, prompt_ids: list[int],
-                 stops: list[str], arrival: float):
+                 stops: list[str], arrival: float, choice: int = 0):
         self.worker, self.metrics, self.decode = worker, metrics, decode
         self.request_id, self.queue, self.prompt_ids, self.arrival = request_id, queue, prompt_ids, arrival
+        self.choice = choice  # which of the request's n choices this is
         self.stops = StopStrings(stops)
         self.token_ids: list[int] = []
+        self.logprobs: list | None = None  # a TokenLogprob per token of token_ids, when asked for
         self.finish_reason: str | None = None
         self._engine_done = False  # the engine sent the request's last delta (or failed)
         self._closed = False
@@ -50,46 +55,76 @@ class Generation:
                 last = at
             before = len(self.token_ids)
             self.token_ids += new
+            if delta.logprobs is not None:
+                self.logprobs = (self.logprobs or []) + list(delta.logprobs)
             self._engine_done = delta.finished
             text, stopped = self.stops.feed(delta.text)
-            if stopped:
+            if stopped:  # the tokens (and their logprobs) up to the one that completed the stop string
                 keep = tokens_through(self.decode, self.token_ids, before + 1, self.stops.stop_end)
                 del self.token_ids[keep:]
-                yield self._finish(text, self.token_ids[before:], "stop")
+                if self.logprobs is not None:
+                    del self.logprobs[keep:]
+                yield self._finish(text, before, "stop")
                 return
             if delta.finished:
                 if delta.finish_reason not in ("stop", "length"):
                     self.finish_reason = "abort"
                     raise ApiError(503, f"the request was aborted by the server ({delta.finish_reason}): it is "
                                    f"shutting down", code="aborted")
-                yield self._finish(text + self.stops.flush(), new, delta.finish_reason)
+                yield self._finish(text + self.stops.flush(), before, delta.finish_reason)
                 return
             if text or new:
-                yield Piece(text, new, None)
+                yield self._piece(text, before, None)
 
-    def _finish(self, text: str, token_ids: list[int], reason: str) -> Piece:
+    def _piece(self, text: str, since: int, reason: str | None) -> Piece:
+        """A piece of `text` with the tokens from index `since` on."""
+        return Piece(text, self.token_ids[since:], reason, None if self.logprobs is None else self.logprobs[since:])
+
+    def _finish(self, text: str, since: int, reason: str) -> Piece:
         self.finish_reason = reason
         self.close()
-        return Piece(text, token_ids, reason)
+        return self._piece(text, since, reason)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self.worker.release(self.request_id, abort=not self._engine_done)
+        self.worker.release(self.request_id, abort=not self._engine_done, choice=self.choice)
         self.metrics.finished.labels(self.finish_reason or "abort").inc()  # no reason: the client went away
-
-    @property
-    def usage(self) -> tuple[int, int]:
-        return len(self.prompt_ids), len(self.token_ids)
 
 
 async def collect(generation: Generation) -> str:
-    """The whole text of a non-streamed response (token ids and finish reason stay on `generation`)."""
+    """The whole text of a non-streamed response (token ids, logprobs and finish reason stay on
+    `generation`)."""
     try:
         return "".join([piece.text async for piece in generation.pieces()])
     finally:
         generation.close()
+
+
+async def merged(generations: list[Generation]):
+    """(choice, piece) for every piece of every generation, as each comes (pieces of one choice in order;
+    choices in order when several are ready at once)."""
+    if len(generations) == 1:
+        async for piece in generations[0].pieces():
+            yield 0, piece
+        return
+    streams = [g.pieces() for g in generations]
+    waiting = {asyncio.ensure_future(anext(stream)): j for j, stream in enumerate(streams)}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=waiting.get):
+                j = waiting.pop(task)
+                try:
+                    piece = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield j, piece
+                waiting[asyncio.ensure_future(anext(streams[j]))] = j
+    finally:
+        for task in waiting:
+            task.cancel()
 
 
 async def until_disconnect(receive) -> None:

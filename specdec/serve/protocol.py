@@ -1,16 +1,19 @@
 """The OpenAI request and response bodies the server speaks, as pydantic models with OpenAI's field names.
 
 Requests are strict: a string where a number belongs, a bool for an integer, NaN or infinity, a negative
-count, an unknown field, or a supported-by-OpenAI feature this server does not implement (n > 1, logprobs,
-echo, penalties, tools...) is refused (400, docs/serve.md) rather than ignored. Extra fields beyond
-OpenAI's, as vLLM takes them: `top_k`, `ignore_eos`, `return_token_ids`."""
+count or one above its maximum (`n` <= MAX_N, top log-probabilities <= MAX_LOGPROBS), an unknown field, or a
+supported-by-OpenAI feature this server does not implement (echo, penalties, tools...) is refused (400,
+docs/serve.md) rather than ignored. Extra fields beyond OpenAI's, as vLLM takes them: `top_k`,
+`ignore_eos`, `return_token_ids`."""
 from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+
+from specdec.sampling import MAX_LOGPROBS, MAX_N
 
 Int = Annotated[int, Strict()]
 Str = Annotated[str, Strict()]
@@ -19,18 +22,17 @@ Count = Annotated[int, Strict(), Field(ge=1)]
 Temperature = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
 TopP = Annotated[float, Strict(), Field(gt=0, le=1, allow_inf_nan=False)]
 Stop = Union[Str, Annotated[list[Str], Field(max_length=4)]]
+Choices = Annotated[int, Strict(), Field(ge=1, le=MAX_N)]  # n, best_of
+TopLogprobs = Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)]
 
 # Fields OpenAI defines that this server does not implement, with the values that mean "not used"; any other
 # value is refused naming the field, so that a client never silently gets less than it asked for.
 UNSUPPORTED = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False), "top_logprobs": (None,),
-    "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "echo": (None, False), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, False),
-    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
+    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "best_of": (None, 1),
 }
-UNSUPPORTED_WHY = {"n": "n > 1 is not supported: this server returns one choice per request (send n requests, "
-                        "each with its own seed, to sample n completions)"}
 
 
 class ApiError(Exception):
@@ -84,6 +86,7 @@ class _GenerationRequest(BaseModel):
     """What completions and chat completions share."""
 
     model_config = ConfigDict(extra="forbid")
+    SUPPORTED: ClassVar[frozenset] = frozenset()  # names of UNSUPPORTED that this endpoint does implement
     model: Str
     max_tokens: Optional[Count] = None
     temperature: Optional[Temperature] = None  # OpenAI's default: 1
@@ -99,12 +102,9 @@ class _GenerationRequest(BaseModel):
     metadata: Optional[dict[str, Any]] = None
     store: Optional[Bool] = None
     service_tier: Optional[Str] = None
+    n: Optional[Choices] = None  # completions of the prompt: choices 0..n-1 (n requests of it in the engine)
     # the unsupported ones: typed loosely here, refused by value below
-    n: Any = None
-    best_of: Any = None
     echo: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     suffix: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -114,10 +114,10 @@ class _GenerationRequest(BaseModel):
     def _refuse_unsupported(self):
         for name, neutral in UNSUPPORTED.items():
             value = getattr(self, name, None)
-            if not any(value == v and type(value) is type(v) for v in neutral):
+            if name not in self.SUPPORTED and not any(value == v and type(value) is type(v) for v in neutral):
                 # not a ValueError: pydantic lets it through as it is, so the error names the field
-                raise ApiError(400, UNSUPPORTED_WHY.get(name, f"{name}={value!r} is not supported by this server"),
-                               param=name, code="unsupported")
+                raise ApiError(400, f"{name}={value!r} is not supported by this server", param=name,
+                               code="unsupported")
         return self
 
     @property
@@ -129,11 +129,27 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
 
 class CompletionRequest(_GenerationRequest):
     # one prompt: text, or token ids; a list holding exactly one of these is taken too
     prompt: Union[Str, Annotated[list[Int], Field(min_length=1)], Annotated[list[Str], Field(min_length=1)],
                   Annotated[list[Annotated[list[Int], Field(min_length=1)]], Field(min_length=1)]]
+    SUPPORTED: ClassVar[frozenset] = frozenset({"best_of"})
+    logprobs: Optional[TopLogprobs] = None  # each token's logprob and this many top ones (OpenAI's own cap: 5)
+    best_of: Optional[Choices] = None  # generate best_of, return the n with the highest cumulative logprob
+
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of is not None and self.best_of < self.choices:
+            raise ApiError(400, f"best_of ({self.best_of}) must be >= n ({self.choices})", param="best_of")
+        if self.best_of is not None and self.best_of > self.choices and self.stream:
+            raise ApiError(400, "best_of > n cannot be streamed (the best are known only at the end)",
+                           param="best_of", code="unsupported")
+        return self
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -170,6 +186,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Optional[Count] = None  # wins over the older max_tokens
+    logprobs: Optional[Bool] = None  # each token's logprob
+    top_logprobs: Optional[TopLogprobs] = None  # and this many top ones at its position (needs logprobs: true)
+    best_of: Any = None  # not an OpenAI chat field: refused unless 1
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -179,6 +198,12 @@ class ChatCompletionRequest(_GenerationRequest):
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
+
+    @model_validator(mode="after")
+    def _top_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return self
 
     @property
     def output_limit(self) -> int | None:
@@ -203,10 +228,34 @@ class Usage(_Body):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+class CompletionLogprobs(_Body):
+    """OpenAI's (legacy) completions logprobs: per token its text, logprob, the top ones by text (and the
+    token itself), and where its text starts in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(_Body):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Body):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
 class CompletionChoice(_Body):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
 
 
@@ -227,14 +276,14 @@ class ChatDelta(_Body):
 class ChatChoice(_Body):
     index: int = 0
     message: ChatDelta
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
 
 
 class ChatChunkChoice(_Body):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
 
 

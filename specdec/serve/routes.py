@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -14,7 +15,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from specdec.options import positions_needed
 from specdec.sampling import SamplingParams
 
-from .generation import Generation, collect, until_disconnect
+from .generation import Generation, collect, merged, until_disconnect
+from .logprobs import CompletionLogprobsWriter, TokenStrings, chat_logprobs
 from .metrics import CONTENT_TYPE
 from .protocol import (ApiError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionRequest, CompletionResponse,
@@ -35,6 +37,10 @@ class Routes:
     max_context: int  # positions per request (prompt + output + the draft's lookahead)
     k_max: int  # the most drafts per step, reserved past the output in the context
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' "created"
+    strings: TokenStrings = field(init=False)  # token ids -> the strings and bytes logprobs show
+
+    def __post_init__(self):
+        self.strings = TokenStrings(self.tokenizer)
 
     # --------------------------------------------------------------------------------------------- errors
     def error_response(self, e: ApiError) -> JSONResponse:
@@ -48,61 +54,85 @@ class Routes:
         self.check_model(body)
         prompt = body.prompt
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        g = self.start(body, prompt_ids, sampling(body, body.max_tokens, COMPLETIONS_MAX_TOKENS), "cmpl")
+        n = body.choices
+        best_of = body.best_of or n
+        # best_of > n returns the n choices of highest cumulative logprob: asked for even if not returned
+        top = body.logprobs if body.logprobs is not None or best_of == n else 0
+        gens = self.start(body, prompt_ids, sampling(body, body.max_tokens, COMPLETIONS_MAX_TOKENS, best_of, top),
+                          "cmpl")
         ids = bool(body.return_token_ids)
+        writers = [None if body.logprobs is None else CompletionLogprobsWriter(self.strings, body.logprobs)
+                   for _ in gens]
 
-        def choice(text: str, token_ids: list[int], reason: str | None, first: bool = False) -> CompletionChoice:
+        def choice(j: int, index: int, text: str, token_ids: list[int], logprobs, reason: str | None,
+                   first: bool = False) -> CompletionChoice:
             extra = {"token_ids": token_ids} if ids else {}
             if ids and first:
-                extra["prompt_token_ids"] = g.prompt_ids
-            return CompletionChoice(text=text, finish_reason=reason, **extra)
+                extra["prompt_token_ids"] = prompt_ids
+            written = None if writers[j] is None else writers[j].write(logprobs or [])
+            return CompletionChoice(index=index, text=text, logprobs=written, finish_reason=reason, **extra)
 
         if not body.stream:
-            return await answer(request, g, lambda text: CompletionResponse(
-                id=g.request_id, model=self.model_name, usage=usage_of(g),
-                choices=[choice(text, g.token_ids, g.finish_reason, first=True)]))
-        sent = []
+            def respond(texts: list[str]) -> CompletionResponse:
+                order = list(range(n)) if best_of == n else best(gens)[:n]
+                return CompletionResponse(id=gens[0].request_id, model=self.model_name, usage=usage_of(gens),
+                                          choices=[choice(j, i, texts[j], gens[j].token_ids, gens[j].logprobs,
+                                                          gens[j].finish_reason, first=True)
+                                                   for i, j in enumerate(order)])
 
-        def chunks(piece):
+            return await answer(request, gens, respond)
+        sent = set()  # choices that sent a chunk
+
+        def chunks(j: int, piece):
             if piece is None:
                 return []
-            first, sent[:] = not sent, [True]
-            return [CompletionResponse(id=g.request_id, model=self.model_name,
-                                       choices=[choice(piece.text, piece.token_ids, piece.finish_reason, first)])]
+            first = j not in sent
+            sent.add(j)
+            return [CompletionResponse(id=gens[0].request_id, model=self.model_name, choices=[
+                choice(j, j, piece.text, piece.token_ids, piece.logprobs, piece.finish_reason, first)])]
 
-        return self.sse(g, chunks, lambda: CompletionResponse(id=g.request_id, model=self.model_name, choices=[],
-                                                              usage=usage_of(g)), body.include_usage)
+        return self.sse(gens, chunks, lambda: CompletionResponse(id=gens[0].request_id, model=self.model_name,
+                                                                 choices=[], usage=usage_of(gens)),
+                        body.include_usage)
 
     async def chat_completions(self, request: Request):
         body = parse_request(ChatCompletionRequest, await request.body())
         self.check_model(body)
         prompt_ids = chat_prompt_ids(self.tokenizer, [m.as_template_message() for m in body.messages])
         default = self.max_context - positions_needed(len(prompt_ids), 0, self.k_max)  # the rest of the context
-        g = self.start(body, prompt_ids, sampling(body, body.output_limit, default), "chatcmpl")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        gens = self.start(body, prompt_ids, sampling(body, body.output_limit, default, body.choices, top), "chatcmpl")
         ids = bool(body.return_token_ids)
 
+        def logprobs(entries):
+            return None if top is None else chat_logprobs(entries or [], self.strings, top)
+
         if not body.stream:
-            def respond(text: str) -> ChatCompletionResponse:
-                extra = {"token_ids": g.token_ids, "prompt_token_ids": g.prompt_ids} if ids else {}
-                choice = ChatChoice(message=ChatDelta(role="assistant", content=text), finish_reason=g.finish_reason,
-                                    **extra)
-                return ChatCompletionResponse(id=g.request_id, model=self.model_name, choices=[choice],
-                                              usage=usage_of(g))
+            def respond(texts: list[str]) -> ChatCompletionResponse:
+                choices = []
+                for j, g in enumerate(gens):
+                    extra = {"token_ids": g.token_ids, "prompt_token_ids": g.prompt_ids} if ids else {}
+                    choices.append(ChatChoice(index=j, message=ChatDelta(role="assistant", content=texts[j]),
+                                              logprobs=logprobs(g.logprobs), finish_reason=g.finish_reason, **extra))
+                return ChatCompletionResponse(id=gens[0].request_id, model=self.model_name, choices=choices,
+                                              usage=usage_of(gens))
 
-            return await answer(request, g, respond)
+            return await answer(request, gens, respond)
 
-        def chunks(piece):
-            if piece is None:  # OpenAI's first chunk: the role, no content yet
-                extra = {"token_ids": [], "prompt_token_ids": g.prompt_ids} if ids else {}
-                delta, reason = ChatDelta(role="assistant", content=""), None
+        def chunks(j: int, piece):
+            if piece is None:  # OpenAI's first chunk of each choice: the role, no content yet
+                extra = {"token_ids": [], "prompt_token_ids": prompt_ids} if ids else {}
+                choice = ChatChunkChoice(index=j, delta=ChatDelta(role="assistant", content=""), **extra)
             else:
                 extra = {"token_ids": piece.token_ids} if ids else {}
-                delta, reason = ChatDelta(content=piece.text), piece.finish_reason
-            return [ChatCompletionChunk(id=g.request_id, model=self.model_name,
-                                        choices=[ChatChunkChoice(delta=delta, finish_reason=reason, **extra)])]
+                choice = ChatChunkChoice(index=j, delta=ChatDelta(content=piece.text),
+                                         logprobs=logprobs(piece.logprobs), finish_reason=piece.finish_reason,
+                                         **extra)
+            return [ChatCompletionChunk(id=gens[0].request_id, model=self.model_name, choices=[choice])]
 
-        return self.sse(g, chunks, lambda: ChatCompletionChunk(id=g.request_id, model=self.model_name, choices=[],
-                                                               usage=usage_of(g)), body.include_usage)
+        return self.sse(gens, chunks, lambda: ChatCompletionChunk(id=gens[0].request_id, model=self.model_name,
+                                                                  choices=[], usage=usage_of(gens)),
+                        body.include_usage)
 
     # ----------------------------------------------------------------------------------------- the rest
     async def models(self):
@@ -125,63 +155,87 @@ class Routes:
             raise ApiError(400, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def start(self, body, prompt_ids: list[int], params: SamplingParams, prefix: str) -> Generation:
+    def start(self, body, prompt_ids: list[int], params: SamplingParams, prefix: str) -> list[Generation]:
+        """Add the request to the engine: one Generation per choice (`params.n`), in choice order."""
         arrival = time.perf_counter()
-        request_id, queue = self.worker.add(prompt_ids, params, prefix)
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
-        return Generation(self.worker, self.metrics, self.tokenizer.decode, request_id, queue, prompt_ids,
-                          body.stops, arrival)
+        request_id, queues = self.worker.add(prompt_ids, params, prefix)
+        self.metrics.prompt_tokens.inc(len(prompt_ids) * len(queues))  # n choices: n requests, n prefills
+        return [Generation(self.worker, self.metrics, self.tokenizer.decode, request_id, queue, prompt_ids,
+                           body.stops, arrival, choice) for choice, queue in enumerate(queues)]
 
-    def sse(self, generation: Generation, chunks, usage_chunk, include_usage: bool) -> StreamingResponse:
-        """A streamed response: `chunks(None)` first, then `chunks(piece)` for every piece, then (if asked)
-        `usage_chunk()`, each as a server-sent event, and `[DONE]`."""
+    def sse(self, generations: list[Generation], chunks, usage_chunk, include_usage: bool) -> StreamingResponse:
+        """A streamed response: `chunks(j, None)` for every choice j first, then `chunks(j, piece)` for every
+        piece of every choice as it comes, then (if asked) `usage_chunk()`, each as a server-sent event, and
+        `[DONE]`."""
         async def events():
             try:
-                for chunk in chunks(None):
-                    yield f"data: {chunk.model_dump_json()}\n\n"
-                async for piece in generation.pieces():
-                    for chunk in chunks(piece):
+                for j in range(len(generations)):
+                    for chunk in chunks(j, None):
                         yield f"data: {chunk.model_dump_json()}\n\n"
+                async with aclosing(merged(generations)) as pieces:  # closed, its waits cancelled, if we are
+                    async for j, piece in pieces:
+                        for chunk in chunks(j, piece):
+                            yield f"data: {chunk.model_dump_json()}\n\n"
                 if include_usage:
                     yield f"data: {usage_chunk().model_dump_json()}\n\n"
             except ApiError as e:  # after the 200 has gone out: the error travels as an event
                 self.metrics.rejected.labels(str(e.status)).inc()
                 yield f"data: {json.dumps(e.body())}\n\n"
             finally:
-                generation.close()
+                for generation in generations:
+                    generation.close()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def sampling(body, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
-    """The request's sampling parameters; ApiError(400) for a combination SamplingParams refuses."""
+def sampling(body, max_tokens: int | None, default_max_tokens: int, n: int = 1,
+             logprobs: int | None = None) -> SamplingParams:
+    """The request's sampling parameters (`n` choices, `logprobs` top entries per token or None); ApiError(400)
+    for a combination SamplingParams refuses."""
     try:
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else max(default_max_tokens, 1),
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
-            ignore_eos=bool(body.ignore_eos))
+            ignore_eos=bool(body.ignore_eos), n=n, logprobs=logprobs)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
 
 
-async def answer(request: Request, generation: Generation, respond):
-    """Non-streamed: collect the text, unless the client goes away first (then the request is aborted)."""
-    result = asyncio.ensure_future(collect(generation))
+async def answer(request: Request, generations: list[Generation], respond):
+    """Non-streamed: collect every choice's text and answer `respond(texts)`, unless the client goes away
+    first (then the request is aborted) or a choice fails (then the others are aborted, the error raised)."""
+    tasks = [asyncio.ensure_future(collect(g)) for g in generations]
     gone = asyncio.ensure_future(until_disconnect(request.receive))
-    await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
-    gone.cancel()
-    if not result.done():
-        result.cancel()
-        generation.close()
+    try:
+        while not gone.done() and not all(t.done() for t in tasks):
+            await asyncio.wait([t for t in tasks if not t.done()] + [gone], return_when=asyncio.FIRST_COMPLETED)
+            if any(t.done() and t.exception() is not None for t in tasks):
+                break
+    finally:
+        gone.cancel()
+    if not all(t.done() and t.exception() is None for t in tasks):
+        for task in tasks:
+            task.cancel()
+        for generation in generations:
+            generation.close()
+        failed = next((t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
+        if failed is not None:
+            raise failed
         return Response(status_code=499)  # nobody reads it
-    return JSONResponse(respond(result.result()).model_dump())
+    return JSONResponse(respond([t.result() for t in tasks]).model_dump())
 
 
-def usage_of(generation: Generation) -> Usage:
-    return Usage.of(*generation.usage)
+def best(generations: list[Generation]) -> list[int]:
+    """The choices in order of their cumulative logprob, highest first (best_of; ties keep choice order)."""
+    return sorted(range(len(generations)), key=lambda j: -sum(e.logprob for e in generations[j].logprobs or []))
+
+
+def usage_of(generations: list[Generation]) -> Usage:
+    """The prompt once, the completion tokens of every choice (best_of: also of those not returned)."""
+    return Usage.of(len(generations[0].prompt_ids), sum(len(g.token_ids) for g in generations))
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -1,6 +1,6 @@
 """The engine thread: one background thread steps the `Engine`; HTTP handlers on the event loop add and abort
-requests (both thread-safe in the engine) and read each request's deltas from its own asyncio.Queue, filled
-from the thread with `loop.call_soon_threadsafe`."""
+requests (both thread-safe in the engine) and read each request's deltas from its own asyncio.Queue (one per
+choice of a request of n), filled from the thread with `loop.call_soon_threadsafe`."""
 from __future__ import annotations
 
 import asyncio
@@ -22,9 +22,9 @@ FAILURES_BEFORE_BROKEN = 3  # consecutive failed steps after which the engine is
 class EngineWorker:
     """Owns the engine's stepping thread and the per-request queues.
 
-    A queue receives `(time, RequestDelta)` items, the last one with `finished=True`, or one Exception
-    if a step failed. `max_waiting` bounds the requests added but not yet holding a row: beyond it `add`
-    refuses with 429 and Retry-After."""
+    A queue receives `(time, RequestDelta)` items of one choice of one request, the last one with
+    `finished=True`, or one Exception if a step failed. `max_waiting` bounds the requests added but not yet
+    holding a row (a request of n choices counts n): beyond it `add` refuses with 429 and Retry-After."""
 
     def __init__(self, engine, max_waiting: int):
         self.engine = engine
@@ -32,7 +32,7 @@ class EngineWorker:
         self.broken: str | None = None  # why the engine cannot serve any more (repeated step failures)
         self.accepting = True  # False from the start of a graceful shutdown: new requests get 503
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[tuple[str, int], asyncio.Queue] = {}  # (request id, choice) -> its queue
         self._lock = threading.Lock()  # guards _streams and _stats
         self._wake = threading.Event()
         self._closing = threading.Event()
@@ -44,40 +44,47 @@ class EngineWorker:
         self._loop = loop
         self._thread.start()
 
-    def add(self, prompt_ids: list[int], params, prefix: str) -> tuple[str, asyncio.Queue]:
-        """Queue a request; returns its id (also the response's id) and the queue its deltas arrive on.
-        Raises ApiError: 503 while shutting down or broken, 429 when `max_waiting` requests wait, 400 for a
-        request the engine refuses (its ValueError's message: empty prompt, ids outside the vocabulary,
-        prompt + max_tokens beyond the context)."""
+    def add(self, prompt_ids: list[int], params, prefix: str) -> tuple[str, list[asyncio.Queue]]:
+        """Queue a request (of `params.n` choices); returns its id (also the response's id) and the queues
+        its choices' deltas arrive on, choice by choice. Raises ApiError: 503 while shutting down or broken,
+        429 when its choices would make more than `max_waiting` requests wait, 400 for n above `max_waiting`
+        and for a request the engine refuses (its ValueError's message: empty prompt, ids outside the
+        vocabulary, prompt + max_tokens beyond the context)."""
         if not self.accepting or self.broken:
             raise ApiError(503, f"the engine failed and cannot serve: {self.broken}" if self.broken
                            else "the server is shutting down", code="unavailable")
+        n = params.n
+        if n > self.max_waiting:
+            raise ApiError(400, f"n={n} choices are {n} requests, more than may wait for a row (--max-waiting "
+                           f"{self.max_waiting})", param="n")
         waiting = self.engine.num_waiting
-        if waiting >= self.max_waiting:
+        if waiting + n > self.max_waiting:
             raise ApiError(429, f"{waiting} requests are already waiting for a batch row (--max-waiting "
                            f"{self.max_waiting}); retry later", code="too_many_waiting_requests",
                            headers={"Retry-After": "1"})
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        queue: asyncio.Queue = asyncio.Queue()
+        queues = [asyncio.Queue() for _ in range(n)]
         with self._lock:  # registered first, so that no delta can arrive before its queue exists
-            self._streams[request_id] = queue
+            for choice, queue in enumerate(queues):
+                self._streams[(request_id, choice)] = queue
         try:
             self.engine.add_request(prompt_ids, params, request_id=request_id)
         except ValueError as e:
             with self._lock:
-                del self._streams[request_id]
+                for choice in range(n):
+                    del self._streams[(request_id, choice)]
             # the engine names the request by its id ("request 'cmpl-...' has ..."); a client knows it as its prompt
             raise ApiError(400, re.sub(r"^(prompt \d+|request \S+) ", "the prompt ", str(e))) from None
         self._wake.set()
-        return request_id, queue
+        return request_id, queues
 
-    def release(self, request_id: str, abort: bool) -> None:
-        """The response is done with `request_id`; `abort`: the engine should stop generating it (client
-        gone, stop string found). Its row is freed at the engine's next step."""
+    def release(self, request_id: str, abort: bool, choice: int = 0) -> None:
+        """The response is done with choice `choice` of `request_id`; `abort`: the engine should stop
+        generating it (client gone, stop string found). Its row is freed at the engine's next step."""
         with self._lock:
-            self._streams.pop(request_id, None)
+            self._streams.pop((request_id, choice), None)
         if abort:
-            self.engine.abort(request_id)
+            self.engine.abort(request_id, choice)
             self._wake.set()
 
     def stats(self) -> dict:
@@ -93,8 +100,8 @@ class EngineWorker:
         self._closing.set()
         with self._lock:
             live = list(self._streams)
-        for request_id in live:
-            self.engine.abort(request_id)
+        for request_id, choice in live:
+            self.engine.abort(request_id, choice)
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -131,8 +138,8 @@ class EngineWorker:
             stats = self._read_stats()
             with self._lock:
                 self._stats = stats
-                targets = [(self._streams.pop(d.request_id, None) if d.finished
-                            else self._streams.get(d.request_id), d) for d in deltas]
+                targets = [(self._streams.pop((d.request_id, d.choice), None) if d.finished
+                            else self._streams.get((d.request_id, d.choice)), d) for d in deltas]
             for queue, delta in targets:
                 if queue is not None:
                     self._loop.call_soon_threadsafe(queue.put_nowait, (now, delta))
@@ -140,8 +147,8 @@ class EngineWorker:
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
             streams, self._streams = self._streams, {}
-        for request_id, queue in streams.items():
-            self.engine.abort(request_id)
+        for (request_id, choice), queue in streams.items():
+            self.engine.abort(request_id, choice)
             self._loop.call_soon_threadsafe(queue.put_nowait, error)
 
 
