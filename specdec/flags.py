@@ -48,7 +48,7 @@ ENGINE_KWARGS = {
     "compile": "compile", "packed_weights": "packed_weights", "batch_invariant": "batch_invariant",
     "profile": "profile", "lookup": "lookup", "lookup_min_match": "lookup_min_match", "ngram_min": "ngram_min",
     "ngram_max": "ngram_max", "suffix_store_tokens": "suffix_store_tokens", "quantize": "quantize",
-    "draft_quantize": "draft_quantize",
+    "draft_quantize": "draft_quantize", "cuda_graphs": "cuda_graphs",
 }
 
 QUANTIZE = ("int8", "int4")  # specdec.models.quant.FORMATS (tests/test_flags.py holds them equal)
@@ -99,8 +99,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str = "rows dec
                    "every step (slow; raises naming the invariant, row and column)")
     p.add_argument("--compile", action="store_true", help="torch.compile the target and draft forwards (CUDA: with "
                    "CUDA graphs); the first steps of each shape compile (tens of seconds on a CPU, see docs/api.md)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA: run decode and verify steps as CUDA graph replays, captured per rows bucket (1, 2, 4, "
+                        "8, 16, 32) and step length on first use (docs/design.md, the forward). Default: on on CUDA; "
+                        "refused elsewhere")
     p.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="CPU float32: run steps of 2 to 64 token rows through oneDNN on linear weights packed "
+                   help="CPU float32: run steps of 1 to 64 token rows through oneDNN on linear weights packed "
                         "once (one extra copy of them; 1.2-1.5x faster multi-token forwards of the default pair, "
                         "docs/benchmarks/packed-weights.md). Default: on for float32 CPU models whose linear weights take at most "
                         "1 GiB")

@@ -82,7 +82,7 @@ class LLM:
                  profile: bool = False, cost_cache: str | None = None, batch_invariant: bool = False,
                  packed_weights: bool | None = None, lookup: str | None = None, lookup_min_match: int = 2,
                  ngram_min: int = 1, ngram_max: int = 4, suffix_store_tokens: int = 16384, proposer=None,
-                 quantize: str | None = None, draft_quantize: str | None = None):
+                 quantize: str | None = None, draft_quantize: str | None = None, cuda_graphs: bool | None = None):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
@@ -170,6 +170,7 @@ class LLM:
         self.target_name = f"target {target}" if isinstance(target, (str, os.PathLike)) else "the target model"
         if compile:
             self._compile()
+        self._use_graphs(cuda_graphs, compile)
         self.chooser = make_chooser(self) if self.options.auto_k else None
 
     def _compile(self) -> None:
@@ -181,6 +182,25 @@ class LLM:
             if not hasattr(model, "compile_forward"):
                 raise ValueError(f"compile=True needs models with compile_forward(); {type(model).__name__} has none")
             model.compile_forward(mode)
+
+    def _use_graphs(self, cuda_graphs: bool | None, compile: bool) -> None:
+        """`cuda_graphs`: None (default) runs the steps of our own models as CUDA graph replays on CUDA (not
+        with `compile`, whose "reduce-overhead" mode captures its own); True asks for it (refused off CUDA)."""
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device; this LLM runs on {self.device}")
+        if cuda_graphs and compile:
+            raise ValueError("cuda_graphs=True and compile=True: the compiled forward captures its own graphs; "
+                             "choose one")
+        if cuda_graphs is None and self.device.type != "cuda":
+            return  # a model object keeps what its owner set
+        on = not compile if cuda_graphs is None else cuda_graphs
+        for model in (self.target, self.draft):
+            if model is not None and hasattr(model, "use_graphs"):
+                model.use_graphs(on)
+            elif on and cuda_graphs:
+                raise ValueError(f"cuda_graphs=True needs models with use_graphs(); {type(model).__name__} has none")
 
     @staticmethod
     def _set_packed_weights(model, packed: bool | None) -> None:
