@@ -78,6 +78,9 @@ class GraphRunner:
         step.ids[:B].copy_(input_ids)
         step.start[:B].copy_(cache.start)
         step.length[:B].copy_(cache.length)
+        if B < Bb:  # the padded rows write at columns 0..T-1 of their (unused) storage rows, whatever ran before
+            step.start[B:].zero_()
+            step.length[B:].zero_()
         kv = storage[:, :, :Bb]  # [L, 2, Bb, H_kv, C, D]: the rows in use, then unused storage rows
         tables = self.model.rope_head_table(cache.capacity)
         if step.graph is not None:

@@ -62,6 +62,12 @@ def test_the_runner_buckets_rows_and_steps_aside(models):
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
     assert cache.host_length == [2, 2, 2] and torch.equal(cache.length, torch.tensor([2, 2, 2]))
     torch.testing.assert_close(cache.k[:, :3, :, :2], eager_cache.k[:, :, :, :2], rtol=0, atol=1e-12)
+    four = target.new_cache(4, 16)  # four rows, then three in the same storage: the padded row starts over
+    runner.run(torch.tensor([[5], [6], [7], [8]]), four, "all", None, None, None)
+    four.take_rows([0, 1, 2])
+    runner.run(torch.tensor([[5], [6], [7]]), four, "all", None, None, None)
+    key = next(k for k in runner.steps if k[:2] == (4, 1) and k[3] == four._kv_all.data_ptr())
+    assert runner.steps[key].length.tolist() == [1, 1, 1, 0]
 
 
 def test_cuda_graphs_option(llama_pair):
