@@ -332,10 +332,11 @@ def test_cli_flag_reaches_the_engine(monkeypatch):
         raise Built
 
     monkeypatch.setattr(specdec, "LLM", fake_llm)
-    for argv, expected in ((["--batch-invariant"], True), ([], False)):
+    for argv, expected in ((["--batch-invariant"], True), ([], "auto"), (["--batch-invariant", "off"], False),
+                           (["--batch-invariant=auto"], "auto")):
         with pytest.raises(Built):
             cli.run(cli.build_parser().parse_args(argv + ["--no-progress"]))
-        assert seen["batch_invariant"] is expected
+        assert seen["batch_invariant"] == expected and type(seen["batch_invariant"]) is type(expected)
 
 
 def test_mode_is_a_model_attribute_and_skips_the_compiled_forward(family_checkpoints):
