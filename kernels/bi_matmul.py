@@ -262,13 +262,15 @@ def _bi_matmul_kernel(
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def bi_matmul_triton(x, weight, bias=None, config: MatmulConfig | None = None, dot: str | None = None):
+def bi_matmul_triton(x, weight, bias=None, config: MatmulConfig | None = None, dot: str | None = None,
+                     out_dtype: torch.dtype | None = None):
     """Launch `_bi_matmul_kernel` on min(tiles, multiprocessors) programs; x [M, K] -> [M, N].
     `config`: default `matmul_config(N, K, dtype, device)`. `dot`: "mma" (`tl.dot`; default on a GPU) or
-    "sum" (`tl.sum` of the products; default under the interpreter, whose `tl.dot` is numpy's matmul)."""
+    "sum" (`tl.sum` of the products; default under the interpreter, whose `tl.dot` is numpy's matmul).
+    `out_dtype`: default x's; float32 returns the accumulator itself (tests: bits a 16-bit output rounds away)."""
     M, K = x.shape
     N = weight.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
     if K == 0:

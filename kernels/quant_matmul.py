@@ -259,13 +259,14 @@ def _quant_matmul_kernel(
 
 
 def quant_matmul_triton(x, fmt: str, codes, scales, zeros=None, config: QuantConfig | None = None,
-                        dot: str | None = None):
+                        dot: str | None = None, out_dtype: torch.dtype | None = None):
     """Launch `_quant_matmul_kernel` on min(tiles, multiprocessors) programs; x [M, K] -> [M, N].
     `config`: default `quant_config(...)`. `dot`: "mma" (`tl.dot`, default on a GPU) or "sum" (`tl.sum` of
-    the products, default under the interpreter, whose `tl.dot` is numpy's matmul)."""
+    the products, default under the interpreter, whose `tl.dot` is numpy's matmul). `out_dtype`: default
+    x's; float32 returns the accumulator itself (tests)."""
     M, K = x.shape
     N = codes.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
     if K == 0:

@@ -69,6 +69,9 @@ def measure_cost(model, rows: int, lengths, context: int = AUTO_CONTEXT, repeats
     of `context` cached tokens, the mode off and on interleaved `rounds` times (the fastest of each counts).
     The model's mode is restored afterwards."""
     was = model.batch_invariant
+    limit = getattr(getattr(model, "cfg", None), "max_position_embeddings", None)
+    if limit:  # a short-context model: the prefix and the new tokens must fit its positions
+        context = max(1, min(context, limit - max(lengths) - 2))
     best: dict = {}
     try:
         for _ in range(rounds):

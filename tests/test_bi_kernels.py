@@ -70,8 +70,10 @@ MATMUL_TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 0.1), torch.fl
                          ids=["float32", "bfloat16", "float16", "float64"])
 def test_bi_matmul_rows_alone_and_in_batches(dtype, dot):
     g = torch.Generator().manual_seed(1)
-    W, b = torch.randn(72, 40, generator=g).to(DEVICE, dtype), torch.randn(72, generator=g).to(DEVICE, dtype)
-    X = torch.randn(12, 40, generator=g).to(DEVICE, dtype)
+    wide = dtype in (torch.float32, torch.float64)
+    K = 40 if wide else 200  # two or three BLOCK_K steps, the last partial
+    W, b = torch.randn(72, K, generator=g).to(DEVICE, dtype), torch.randn(72, generator=g).to(DEVICE, dtype)
+    X = torch.randn(12, K, generator=g).to(DEVICE, dtype)
     fn = lambda x: bm.bi_matmul_triton(x, W, b, dot=dot)  # noqa: E731
     y = fn(X)
     ref = X.double() @ W.double().t() + b.double()
@@ -80,6 +82,9 @@ def test_bi_matmul_rows_alone_and_in_batches(dtype, dot):
     assert torch.allclose(bm.bi_matmul_triton(X, W, dot=dot).double(), ref - b.double(), rtol=rtol, atol=atol)
     if exact_invariance(dot):
         assert all(torch.equal(a, c) for a, c in rows_in_batches(fn, X))
+        if not wide:  # the float32 accumulator itself: a 16-bit output rounds most order differences away
+            acc = lambda x: bm.bi_matmul_triton(x, W, b, dot=dot, out_dtype=torch.float32)  # noqa: E731
+            assert all(torch.equal(a, c) for a, c in rows_in_batches(acc, X, probe=(5,)))
     else:  # the interpreter's tl.dot path: against the tolerance
         assert all(torch.allclose(a.double(), c.double(), rtol=rtol, atol=atol)
                    for a, c in rows_in_batches(fn, X, probe=(5,)))
@@ -134,6 +139,9 @@ def test_quant_matmul_rows_alone_and_in_batches(fmt, dtype, dot):
     assert ((y.double() - X.double() @ w.t()).abs() <= (1e-5 + 2 * eps) * magnitude + 1e-6).all()
     full = exact_invariance(dot)  # the interpreter's tl.dot path: one batch, against the tolerance
     pairs = rows_in_batches(fn, X, probe=(0, 7) if full else (7,), batches=BATCHES if full else (8,))
+    if full:  # the float32 accumulator itself too: a bfloat16 output rounds most order differences away
+        pairs += rows_in_batches(lambda x: qm.quant_matmul_triton(x, fmt, codes, scales, zeros, dot=dot,
+                                                                  out_dtype=torch.float32), X, probe=(3,))
     if exact_invariance(dot):
         assert all(torch.equal(a, c) for a, c in pairs)
     else:
@@ -305,6 +313,32 @@ def test_rms_norm_reference_is_the_models_rmsnorm_and_validates():
         rn.rms_norm(torch.zeros(2, 4), torch.zeros(4), 1e-6, residual=torch.zeros(2, 3))
     with pytest.raises(ValueError, match="floating-point"):
         rn.rms_norm(torch.zeros(2, 4, dtype=torch.int32), torch.zeros(4), 1e-6)
+
+
+# ------------------------------------------------------------------------------------------- the model
+@pytest.mark.slow  # ~130 kernel launches per dtype under the interpreter (~20-40 s on a 2-core CPU)
+@needs_triton
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_on_the_triton_kernels_keeps_a_prompts_logits(llama_pair, monkeypatch, dtype):
+    """The wiring: a batch-invariant model whose linear layers and attention run the Triton kernels
+    (models/numerics.py -> bi_linear / bi_attention, forced with SPECDEC_KERNELS=triton) gives a prompt the same
+    logits bit for bit alone (T = 1 steps) and in a left-padded batch of 3 (T = 2 steps). (float32 shows a
+    matmul tile chosen by M: checked by hand; bfloat16 logits round such differences away more often.)"""
+    from test_batch_invariant import _schedule_logits
+
+    from specdec.models import load_model
+    from specdec.models.cache import LEFT_PADDED, RAGGED
+
+    monkeypatch.setenv("SPECDEC_KERNELS", "triton")
+    model = load_model(llama_pair[0], dtype=dtype, device=DEVICE)
+    model.batch_invariant = True
+    ours = [5, 17, 3, 99, 42, 7, 1, 100, 8, 64, 9, 30]
+    partners = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24], [40, 41, 42, 43, 44, 45]]
+    with torch.no_grad():
+        alone = _schedule_logits(model, [ours], [8], 1, RAGGED)[0]  # [1 + 4, V]
+        seqs = [partners[0], ours, partners[1]]
+        batched = _schedule_logits(model, seqs, [len(s) - 4 for s in seqs], 2, LEFT_PADDED)[1]
+    assert torch.equal(alone, batched)
 
 
 # ------------------------------------------------------------------------------------------------ compiler
