@@ -352,9 +352,9 @@ def _bi_attention_combine_kernel(
 def bi_attention_triton(q, k_cache, v_cache, mask, first, chunk: int = CHUNK, split: int = SPLIT,
                         dot: str | None = None):
     """Launch `_bi_attention_split_kernel` on grid (B * H_kv, cdiv(W, split), cdiv(G * T, BLOCK_R)), then, when
-    there is more than one split, `_bi_attention_combine_kernel` on (cdiv(B * H * T, COMBINE_ROWS),). `dot`: "mma" (`tl.dot`,
-    default on a GPU) or "sum" (`tl.sum` of products, default under the interpreter). Same math as the
-    reference, another order (so not the same bits)."""
+    there is more than one split, `_bi_attention_combine_kernel` on (cdiv(B * H * T, COMBINE_ROWS),).
+    `dot`: "mma" (`tl.dot`, default on a GPU) or "sum" (`tl.sum` of products, default under the interpreter).
+    Same math as the reference, another order (so not the same bits)."""
     B, H, T, D = q.shape
     Hkv = k_cache.shape[1]
     W = mask.shape[-1]

@@ -237,7 +237,8 @@ def test_bi_attention_query_alone_verify_batched_ragged_padded(dtype):
 
 @needs_triton
 @pytest.mark.skipif(GPU, reason="the GPU runs the tl.dot path in the test above")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64],
+                         ids=["float32", "bfloat16", "float64"])
 def test_bi_attention_mma_path_matches_reference(dtype):
     """The tl.dot code (what the GPU runs) under the interpreter: the reference's numbers, in fewer schedules."""
     outs, refs = _attention_schedules(dtype, "mma", full=False)
@@ -402,7 +403,8 @@ def _compile_for_sm90():
             xq = torch.zeros(5, 4096, dtype=dtype)
             nib, sc = qm.k_major(torch.zeros(4096, 2048, dtype=torch.uint8)), qm.k_major(
                 torch.zeros(4096, 128, dtype=torch.bfloat16))
-            codes, row_scales = qm.k_major(torch.zeros(4096, 4096, dtype=torch.int8)), torch.zeros(4096, dtype=torch.bfloat16)
+            codes = qm.k_major(torch.zeros(4096, 4096, dtype=torch.int8))
+            row_scales = torch.zeros(4096, dtype=torch.bfloat16)
             ptx = compile_(qm, "_quant_matmul_kernel", lambda: (qm.quant_matmul_triton(xq, "int4", nib, sc, sc.clone()),
                                                                 qm.quant_matmul_triton(xq, "int8", codes, row_scales)))
             assert all("cp.async" in p for p in ptx) and (dtype == torch.float32 or all("mma" in p for p in ptx))
