@@ -9,9 +9,15 @@ padding, columns past W) enter as exact zeros (`exp(-inf) = 0`), and a chunk wit
 every sum unchanged, so the extra chunks that a wider batch brings are no-ops. A query that sees no key
 at all (left padding in a prefill: it only sees its own column, left of the row's first key) gets zeros.
 
-- Triton (GPU): one program per (row, query head, query): the query's dot products with a `[CHUNK, D]`
-  key tile, online softmax across chunks in order, `tl.sum` trees of fixed shape. No tile depends on T or
-  B, no split over keys. Invariant by construction (and bit-exact under the interpreter too).
+- Triton (GPU), flash-decoding with a fixed split size: a row's keys fall into splits of `SPLIT` columns
+  (a multiple of CHUNK) that also start at the row's first key. One program per (row, KV head, split,
+  block of `BLOCK_R` query rows): all query heads of the GQA group and all T queries of the row share each
+  `[CHUNK, D]` K and V tile, scores and p @ V are `tl.dot`s of fixed shape ([BLOCK_R, D] x [D, CHUNK] and
+  [BLOCK_R, CHUNK] x [CHUNK, D]: a query row's result does not depend on its place in the block), online
+  softmax over the split's chunks in order. With one split (W <= SPLIT) the program writes the output;
+  otherwise a combine kernel merges each query's splits in order, skipping splits it sees nothing of and
+  taking the first it sees as is (so a query whose keys fit in one split gets the one-split bits whatever
+  the number of splits). Nothing depends on T, B, W or the padding: invariant by construction.
 - torch reference (CPU; what runs on the CPU): the same chunks, two passes. Scores and chunk outputs are
   batched matmuls of fixed inner sizes (D and CHUNK) with the query rows padded to a multiple of 4
   (`bi_matmul.padded_rows`) and K^T as a transposed view (a batch of one matrix padded to two): measured
@@ -28,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from .bi_matmul import padded_rows
-from .dispatch import cdiv, check, choose_backend, lazy_jit, next_power_of_2
+from .dispatch import cdiv, check, choose_backend, interpreting, lazy_jit, next_power_of_2
 
 tl = None  # triton.language, bound when this module's first kernel is launched (see dispatch.lazy_jit)
 
@@ -195,80 +201,188 @@ def _explain(q, k_cache, v_cache, mask, first) -> None:
     check(False, f"bi_attention: first must be [{B}] int64, got {tuple(first.shape)} {first.dtype}")
 
 
+SPLIT = 256  # Triton: keys per split (a multiple of CHUNK); split s of a row starts at first + s * SPLIT
+BLOCK_R = 16  # Triton: query rows (GQA heads x queries of one KV head) per program, the MMA's smallest M
+COMBINE_ROWS = 16  # Triton: queries merged per program of the combine kernel
+
+
 @lazy_jit
-def _bi_attention_kernel(
+def _bi_attention_split_kernel(
     q_ptr,  # [B, H, T, D]
     k_ptr,  # [B, H_kv, C, D]
     v_ptr,  # [B, H_kv, C, D]
     mask_ptr,  # [B, T, W] uint8 (a view of the bool mask)
     first_ptr,  # [B] int64
-    o_ptr,  # [B, H, T, D], out
+    o_ptr,  # [B, H, T, D], out (FINAL)
+    pacc_ptr,  # [B * H * T * NS, D] fp32 (fp64 for fp64) partial sums of p v, out (not FINAL)
+    pm_ptr,  # [B * H * T * NS] running maxima, out (not FINAL)
+    pl_ptr,  # [B * H * T * NS] sums of exp, out (not FINAL)
     sq_b, sq_h, sq_t, sq_d,
     sk_b, sk_h, sk_c, sk_d,
     sv_b, sv_h, sv_c, sv_d,
     sm_b, sm_t, sm_w,
     so_b, so_h, so_t, so_d,
-    H, GROUP, W, D, scale,
+    H_KV, H, GROUP, T, W, D, NS, scale,
     ACC_F64: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    FINAL: tl.constexpr,
+    DOT_SUM: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SPLIT_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One program per (row b, query head h, query t): online softmax over the row's keys in BLOCK_N-column
-    chunks starting at first[b], in order; every reduction is a `tl.sum` over a fixed block shape."""
+    """Program (row b and KV head, split s, block of ROWS query rows): the block's query rows r = t * GROUP + g
+    (query t of head kv * GROUP + g) against the split's keys, columns first[b] + s * SPLIT_SIZE + [0, SPLIT_SIZE),
+    in CHUNK-column steps in order: scores by one MMA per chunk (a K tile shared by every head of the group
+    and every query), online softmax, p @ V by a second MMA. FINAL (one split): writes the output; else the
+    split's (max, sum, p @ V) for `_bi_attention_combine_kernel`."""
     pid = tl.program_id(0)
-    b = (pid // H).to(tl.int64)
-    h = (pid % H).to(tl.int64)
-    t = tl.program_id(1).to(tl.int64)
-    kv = h // GROUP
+    b = (pid // H_KV).to(tl.int64)
+    kv = (pid % H_KV).to(tl.int64)
+    s = tl.program_id(1).to(tl.int64)
+    r = tl.program_id(2) * ROWS + tl.arange(0, ROWS)  # [ROWS] query rows of this block
+    r_ok = r < GROUP * T
+    t = (r // GROUP).to(tl.int64)  # [ROWS] query
+    h = kv * GROUP + (r % GROUP)  # [ROWS] query head
     if ACC_F64:
         acc_ty = tl.float64
-        # a float argument arrives as float32: float64 computes 1/sqrt(D) itself (IEEE-rounded, as Python does)
-        scale = 1.0 / tl.sqrt(tl.full([], D, tl.float64))  # float64 sqrt and division round to nearest
+        scale = 1.0 / tl.sqrt(tl.full([], D, tl.float64))  # a float argument arrives as float32
     else:
         acc_ty = tl.float32
     d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     dm = d < D
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + t * sq_t + d * sq_d, mask=dm, other=0.0).to(acc_ty) * scale  # [BLOCK_D]
-    first = tl.load(first_ptr + b)  # int64 scalar
-    m_i = tl.full([], float("-inf"), acc_ty)  # running maximum
-    l_i = tl.zeros([], acc_ty)  # running sum of exp
-    acc = tl.zeros([BLOCK_D], acc_ty)  # running weighted sum of values
-    j = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    for c0 in range(first, W, BLOCK_N):
-        cols = c0 + j  # [BLOCK_N] cache columns of this chunk
-        cm = cols < W
-        kv_mask = cm[:, None] & dm[None, :]  # [BLOCK_N, BLOCK_D]
-        k = tl.load(k_ptr + b * sk_b + kv * sk_h + cols[:, None] * sk_c + d[None, :] * sk_d, mask=kv_mask,
-                    other=0.0).to(acc_ty)  # [BLOCK_N, BLOCK_D]
-        s = tl.sum(k * q[None, :], axis=1)  # [BLOCK_N]
-        seen = tl.load(mask_ptr + b * sm_b + t * sm_t + cols * sm_w, mask=cm, other=0)  # [BLOCK_N] uint8
-        s = tl.where(seen != 0, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + t[:, None] * sq_t + d[None, :] * sq_d,
+                mask=r_ok[:, None] & dm[None, :], other=0.0)  # [ROWS, BLOCK_D]
+    if DOT_FP32:  # the interpreter multiplies 16-bit floats' raw bits (triton 3.9)
+        q = q.to(tl.float32)
+    start = tl.load(first_ptr + b) + s * SPLIT_SIZE  # the split's first column
+    end = tl.minimum(start + SPLIT_SIZE, W)
+    m_i = tl.full([ROWS], float("-inf"), acc_ty)  # running maximum per query row
+    l_i = tl.zeros([ROWS], acc_ty)  # running sum of exp
+    acc = tl.zeros([ROWS, BLOCK_D], acc_ty)  # running sum of p v
+    j = tl.arange(0, CHUNK)  # [CHUNK]
+    k_tile = k_ptr + b * sk_b + kv * sk_h + j[:, None] * sk_c + d[None, :] * sk_d  # [CHUNK, BLOCK_D] at column 0
+    v_tile = v_ptr + b * sv_b + kv * sv_h + j[:, None] * sv_c + d[None, :] * sv_d  # [CHUNK, BLOCK_D]
+    mask_rows = mask_ptr + b * sm_b + t[:, None] * sm_t + j[None, :] * sm_w  # [ROWS, CHUNK] at column 0
+    for c0 in range(start, end, CHUNK):
+        cm = (c0 + j) < W  # [CHUNK] columns of this chunk inside the mask
+        kv_mask = cm[:, None] & dm[None, :]  # [CHUNK, BLOCK_D]
+        k = tl.load(k_tile + c0 * sk_c, mask=kv_mask, other=0.0)  # [CHUNK, BLOCK_D]
+        if DOT_SUM:
+            sc = tl.sum(q.to(acc_ty)[:, None, :] * k.to(acc_ty)[None, :, :], axis=2)  # [ROWS, CHUNK]
+        else:
+            if DOT_FP32:
+                k = k.to(tl.float32)
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee").to(acc_ty)  # [ROWS, CHUNK]
+        sc = sc * scale
+        seen = tl.load(mask_rows + c0 * sm_w, mask=r_ok[:, None] & cm[None, :], other=0)  # [ROWS, CHUNK] uint8
+        sc = tl.where(seen != 0, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))  # [ROWS]
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new).to(acc_ty)
-        alpha = tl.exp(m_i - m_safe)  # 1 exactly when this chunk raised nothing (or was all masked)
-        p = tl.exp(s - m_safe)  # [BLOCK_N], 0 where masked
-        v = tl.load(v_ptr + b * sv_b + kv * sv_h + cols[:, None] * sv_c + d[None, :] * sv_d, mask=kv_mask,
-                    other=0.0).to(acc_ty)  # [BLOCK_N, BLOCK_D]
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        alpha = tl.exp(m_i - m_safe)  # [ROWS]; 1 exactly when this chunk raised nothing
+        p = tl.exp(sc - m_safe[:, None])  # [ROWS, CHUNK], 0 where hidden
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_tile + c0 * sv_c, mask=kv_mask, other=0.0)  # [CHUNK, BLOCK_D]
+        pv = p.to(v_ptr.dtype.element_ty)  # [ROWS, CHUNK] in the values' dtype: the MMA's operand
+        if DOT_SUM:
+            acc = acc * alpha[:, None] + tl.sum(pv.to(acc_ty)[:, :, None] * v.to(acc_ty)[None, :, :], axis=1)
+        else:
+            if DOT_FP32:
+                pv = pv.to(tl.float32)
+                v = v.to(tl.float32)
+            acc = tl.dot(pv, v, acc * alpha[:, None], input_precision="ieee")  # [ROWS, BLOCK_D]
         m_i = m_new
-    safe_l = tl.where(l_i > 0, l_i, 1.0).to(acc_ty)
-    out = tl.where(l_i > 0, acc / safe_l, 0.0)  # [BLOCK_D]; a query that sees nothing gets zeros
-    tl.store(o_ptr + b * so_b + h * so_h + t * so_t + d * so_d, out.to(o_ptr.dtype.element_ty), mask=dm)
+    if FINAL:
+        safe_l = tl.where(l_i > 0, l_i, 1.0).to(acc_ty)
+        out = tl.where(l_i[:, None] > 0, acc / safe_l[:, None], 0.0)  # a query that sees nothing gets zeros
+        tl.store(o_ptr + b * so_b + h[:, None] * so_h + t[:, None] * so_t + d[None, :] * so_d,
+                 out.to(o_ptr.dtype.element_ty), mask=r_ok[:, None] & dm[None, :])
+    else:
+        part = ((b * H + h) * T + t) * NS + s  # [ROWS] partial row of (b, h, t, s)
+        tl.store(pacc_ptr + part[:, None] * D + d[None, :], acc, mask=r_ok[:, None] & dm[None, :])
+        tl.store(pm_ptr + part, m_i, mask=r_ok)
+        tl.store(pl_ptr + part, l_i, mask=r_ok)
 
 
-def bi_attention_triton(q, k_cache, v_cache, mask, first, chunk: int = CHUNK):
-    """Launch `_bi_attention_kernel`: grid (B * H, T). Same math as the reference (online instead of two
-    passes, so not the same bits)."""
+@lazy_jit
+def _bi_attention_combine_kernel(
+    pacc_ptr,  # [B * H * T * NS, D] partial sums of p v
+    pm_ptr,  # [B * H * T * NS] maxima
+    pl_ptr,  # [B * H * T * NS] sums of exp
+    o_ptr,  # [B, H, T, D], out
+    so_b, so_h, so_t, so_d,
+    H, T, D, NS, QUERIES,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per ROWS queries (b, h, t), flattened as (b * H + h) * T + t: each query's NS splits are
+    merged in order. A split the query sees nothing of (max -inf) is skipped; the first one it sees is taken
+    as is, so a query whose keys all lie in split 0 gets exactly the one-split (FINAL) kernel's bits,
+    whatever NS."""
+    qid = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    q_ok = qid < QUERIES
+    t = qid % T
+    h = (qid // T) % H
+    b = qid // (T * H)
+    d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    ok = q_ok[:, None] & (d < D)[None, :]  # [ROWS, BLOCK_D]
+    m = tl.load(pm_ptr + qid * NS, mask=q_ok, other=float("-inf"))  # [ROWS]
+    l_i = tl.load(pl_ptr + qid * NS, mask=q_ok, other=0.0)  # [ROWS]
+    acc = tl.load(pacc_ptr + (qid * NS)[:, None] * D + d[None, :], mask=ok, other=0.0)  # [ROWS, BLOCK_D]
+    for s in range(1, NS):
+        m_s = tl.load(pm_ptr + qid * NS + s, mask=q_ok, other=float("-inf"))  # [ROWS]
+        l_s = tl.load(pl_ptr + qid * NS + s, mask=q_ok, other=0.0)  # [ROWS]
+        a_s = tl.load(pacc_ptr + (qid * NS + s)[:, None] * D + d[None, :], mask=ok, other=0.0)  # [ROWS, BLOCK_D]
+        m_new = tl.maximum(m, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new).to(m.dtype)
+        alpha = tl.exp(m - m_safe)
+        beta = tl.exp(m_s - m_safe)
+        take = m == float("-inf")  # nothing seen yet: this split as is
+        keep = m_s == float("-inf")  # this split saw nothing: unchanged
+        l_i = tl.where(keep, l_i, tl.where(take, l_s, l_i * alpha + l_s * beta))
+        acc = tl.where(keep[:, None], acc, tl.where(take[:, None], a_s, acc * alpha[:, None] + a_s * beta[:, None]))
+        m = m_new
+    safe_l = tl.where(l_i > 0, l_i, 1.0).to(l_i.dtype)
+    out = tl.where(l_i[:, None] > 0, acc / safe_l[:, None], 0.0)  # [ROWS, BLOCK_D]
+    tl.store(o_ptr + b[:, None] * so_b + h[:, None] * so_h + t[:, None] * so_t + d[None, :] * so_d,
+             out.to(o_ptr.dtype.element_ty), mask=ok)
+
+
+def bi_attention_triton(q, k_cache, v_cache, mask, first, chunk: int = CHUNK, split: int = SPLIT,
+                        dot: str | None = None):
+    """Launch `_bi_attention_split_kernel` on grid (B * H_kv, cdiv(W, split), cdiv(G * T, BLOCK_R)), then, when
+    there is more than one split, `_bi_attention_combine_kernel` on (cdiv(B * H * T, COMBINE_ROWS),).
+    `dot`: "mma" (`tl.dot`, default on a GPU) or "sum" (`tl.sum` of products, default under the interpreter).
+    Same math as the reference, another order (so not the same bits)."""
     B, H, T, D = q.shape
     Hkv = k_cache.shape[1]
     W = mask.shape[-1]
+    check(split % chunk == 0, f"bi_attention_triton: split ({split}) must be a multiple of chunk ({chunk})")
+    dot = dot or ("sum" if interpreting() else "mma")
+    group = H // Hkv
+    NS = cdiv(W, split)  # enough for any row (first >= 0): a row's surplus splits are no-ops
+    final = NS == 1
+    acc_dtype = _accumulation_dtype(q.dtype)
     out = torch.empty_like(q)
+    rows = B * H * T * NS
+    pacc = torch.empty((1, 1) if final else (rows, D), dtype=acc_dtype, device=q.device)  # [rows, D]
+    pm = torch.empty(1 if final else rows, dtype=acc_dtype, device=q.device)  # [rows]
+    pl = torch.empty_like(pm)  # [rows]
     mask_u8 = mask.view(torch.uint8)
-    _bi_attention_kernel[(B * H, T)](
-        q, k_cache, v_cache, mask_u8, first, out,
+    block_d = next_power_of_2(max(D, 16))  # tl.dot needs K >= 16
+    _bi_attention_split_kernel[(B * Hkv, NS, cdiv(group * T, BLOCK_R))](
+        q, k_cache, v_cache, mask_u8, first, out, pacc, pm, pl,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *mask_u8.stride(), *out.stride(),
-        H, H // Hkv, W, D, 1.0 / math.sqrt(D),
-        ACC_F64=q.dtype == torch.float64, BLOCK_N=chunk, BLOCK_D=next_power_of_2(max(D, 1)),
+        Hkv, H, group, T, W, D, NS, 1.0 / math.sqrt(D),
+        ACC_F64=q.dtype == torch.float64, FINAL=final, DOT_SUM=dot == "sum",
+        DOT_FP32=interpreting() and q.element_size() == 2, SPLIT_SIZE=split, CHUNK=chunk, ROWS=BLOCK_R,
+        BLOCK_D=block_d, num_warps=4,
     )
+    if not final:
+        queries = B * H * T
+        _bi_attention_combine_kernel[(cdiv(queries, COMBINE_ROWS),)](
+            pacc, pm, pl, out, *out.stride(), H, T, D, NS, queries, ROWS=COMBINE_ROWS,
+            BLOCK_D=next_power_of_2(D), num_warps=4,
+        )
     return out

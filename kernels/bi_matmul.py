@@ -5,10 +5,11 @@ Why it is needed: a GEMM library picks its kernel, blocking and (on GPUs) split-
 same row multiplied in a call of M = 1 (AR step) and in one of M = 48 (verify of k + 1 = 6 tokens, batch 8)
 can be summed in a different order and round differently.
 
-- Triton (GPU): one program per `[BLOCK_M, BLOCK_N]` output tile with *fixed* tile sizes (no autotuning,
-  which would pick tiles by M), a K loop in order in `BLOCK_K` steps with one fp32 (fp64 for fp64)
-  accumulator, and no split-K. Row i's value is then the same sequence of `tl.dot` steps in every call:
-  invariant by construction.
+- Triton (GPU): a persistent kernel (one program per multiprocessor, looping over `[BLOCK_M, BLOCK_N]`
+  output tiles) whose tiles are a function of (N, K, dtype, device) only, never of M (`matmul_config`: no
+  autotuning by M, no split-K), a K loop in order in `BLOCK_K` steps accumulating `tl.dot` (tensor cores for
+  16-bit and float64) into one fp32 (fp64 for fp64) accumulator. Row i's value is then the same sequence of
+  MMA steps in every call: invariant by construction.
 - torch reference (CPU; what runs on the CPU), by dtype, each measured on this project's CPU (AMD EPYC,
   AVX2, torch 2.13 with MKL 2024.2 and oneDNN 3.12; `python -m bench.batch_invariant probe`) for every M in
   1..69 and up to 4100, rows at every offset, 1 and 2 threads:
@@ -28,12 +29,12 @@ can be summed in a different order and round differently.
 from __future__ import annotations
 
 import functools
-import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from .dispatch import cdiv, check, choose_backend, lazy_jit, one_thread
+from .dispatch import cdiv, check, choose_backend, device_programs, interpreting, lazy_jit, one_thread
 
 tl = None  # triton.language, bound when this module's first kernel is launched (see dispatch.lazy_jit)
 
@@ -41,14 +42,6 @@ ALIGNMENT = 64  # bytes: torch's CPU allocator aligns every new buffer to this
 ROW_MULTIPLE = 4  # MKL's full row tile: padded calls multiply a multiple of this many rows
 NATIVE_DTYPES = (torch.bfloat16,)  # F.linear as is
 ONEDNN_DTYPES = (torch.float32,)  # oneDNN on a packed weight (when torch has oneDNN)
-# fixed tiles (never tuned per shape: a different tile would be a different summation order)
-TILES = {torch.float64: (32, 32, 16)}  # (BLOCK_M, BLOCK_N, BLOCK_K) per dtype
-DEFAULT_TILES = (32, 64, 32)
-
-
-def interpreting() -> bool:
-    """True under the Triton interpreter (`TRITON_INTERPRET=1`), whose `tl.dot` mishandles 16-bit floats."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def padded_rows(M: int, multiple: int = ROW_MULTIPLE) -> int:
@@ -163,6 +156,59 @@ def _explain(x, weight, bias) -> None:
     check(False, f"bi_linear: bias must be [{N}] of dtype {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
 
 
+# ------------------------------------------------------------------------------------------ Triton
+class MatmulConfig(NamedTuple):
+    """Tiles and launch settings of the Triton matmul for one (N, K, dtype, device): never a function of M."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# (N, K, dtype, programs) -> MatmulConfig: explicit, filled by `matmul_config` at a shape's first call. A
+# tuning run may put entries here first (bench/bench_kernels.py::test_bi_linear_configs measures candidates);
+# every process whose outputs must agree (an AR run and a speculative one) has to see the same entries.
+# Deliberately not tuned by timing inside the process: a choice that follows timing noise would give two
+# processes different tiles, i.e. different bits.
+CONFIGS: dict = {}
+BLOCK_N_CHOICES = (128, 64, 32)  # widest first: the widest with at least one tile per multiprocessor wins
+
+
+def default_config(N: int, K: int, dtype: torch.dtype, programs: int) -> MatmulConfig:
+    """The rule behind `matmul_config` (module docstring): a function of N, the dtype and the device's
+    multiprocessor count (`programs`), not of M.
+
+    - 16-bit: BLOCK_M 64 (one Hopper warpgroup MMA, m64; a decode step of 1-64 rows is one M tile that
+      reads the weight once), BLOCK_K 128, and the widest BLOCK_N in 128/64/32 that still gives every
+      multiprocessor a tile at one row (N = 4096 on 132 SMs: 32, 128 tiles; the old fixed 64 gave 64): the
+      one-row decode step is weight-bandwidth bound, so what matters is that every SM streams weights, with
+      4 stages of loads in flight (3 at BLOCK_N 128: 144 KiB of shared memory);
+    - float32 (`input_precision="ieee"`: CUDA cores, no TF32): 32 x (64 or 32) x 32;
+    - float64 (DMMA): 32 x 32 x 16."""
+    if dtype == torch.float64:
+        return MatmulConfig(32, 32, 16, 4, 2)
+    if dtype == torch.float32:
+        block_m, block_k, widths, stages = 32, 32, BLOCK_N_CHOICES[1:], 3
+    else:
+        block_m, block_k, widths, stages = 64, 128, BLOCK_N_CHOICES, 4
+    block_n = next((w for w in widths if cdiv(N, w) >= programs), widths[-1])
+    if block_n == 128:
+        stages = 3  # 3 x (64 x 128 + 128 x 128) x 2 bytes = 144 KiB of shared memory
+    return MatmulConfig(block_m, block_n, block_k, 4, stages)
+
+
+def matmul_config(N: int, K: int, dtype: torch.dtype, device) -> MatmulConfig:
+    """The config of (N, K, dtype) on `device`, from CONFIGS (filled with `default_config` at first use)."""
+    programs = device_programs(device)
+    key = (N, K, dtype, programs)
+    config = CONFIGS.get(key)
+    if config is None:
+        config = CONFIGS[key] = default_config(N, K, dtype, programs)
+    return config
+
+
 @lazy_jit
 def _bi_matmul_kernel(
     x_ptr,  # [M, K]
@@ -176,54 +222,70 @@ def _bi_matmul_kernel(
     HAS_BIAS: tl.constexpr,
     ACC_F64: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    DOT_SUM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One program per [BLOCK_M, BLOCK_N] tile of y: K walked in order, one accumulator, no split-K."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x / y
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of w / columns of y
+    """Persistent: program p computes output tiles p, p + P, p + 2P, ... (P programs), M tiles of one N tile
+    adjacent (they share the weight tile in L2). Each tile: K walked in order in BLOCK_K steps, one
+    accumulator, no split-K. DOT_SUM (the interpreter) sums the products with tl.sum instead of tl.dot."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    tiles = num_m * tl.cdiv(N, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    rm64 = rm.to(tl.int64)
-    rn64 = rn.to(tl.int64)
-    if ACC_F64:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float64)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk  # [BLOCK_K]
-        a = tl.load(x_ptr + rm64[:, None] * stride_xm + kk[None, :] * stride_xk,
-                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
-        b = tl.load(w_ptr + rn64[None, :] * stride_wn + kk[:, None] * stride_wk,
-                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_N]
-        if DOT_FP32:  # the interpreter multiplies 16-bit floats' raw bits (triton 3.9): give it fp32
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc += tl.dot(a, b, input_precision="ieee")  # fp32 stays fp32 (no tf32), fp64 stays fp64
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0)  # [BLOCK_N]
-        acc += bias[None, :].to(acc.dtype)
-    y = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rm64[:, None] * stride_ym + rn64[None, :] * stride_yn, y,
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        rm = (tile % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x / y
+        rn = (tile // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of w / columns of y
+        rm64 = rm.to(tl.int64)
+        rn64 = rn.to(tl.int64)
+        if ACC_F64:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float64)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk  # [BLOCK_K]
+            a = tl.load(x_ptr + rm64[:, None] * stride_xm + kk[None, :] * stride_xk,
+                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
+            b = tl.load(w_ptr + rn64[None, :] * stride_wn + kk[:, None] * stride_wk,
+                        mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_N]
+            if DOT_SUM:  # per element: BLOCK_K products summed in one fixed order, whatever the row's place
+                acc += tl.sum(a.to(acc.dtype)[:, :, None] * b.to(acc.dtype)[None, :, :], axis=1)  # [BM, BN]
+            else:
+                if DOT_FP32:  # the interpreter multiplies 16-bit floats' raw bits (triton 3.9): give it fp32
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision="ieee")  # fp32 stays fp32 (no tf32), fp64 stays fp64
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0)  # [BLOCK_N]
+            acc += bias[None, :].to(acc.dtype)
+        tl.store(y_ptr + rm64[:, None] * stride_ym + rn64[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def bi_matmul_triton(x, weight, bias=None):
-    """Launch `_bi_matmul_kernel`: grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); x [M, K] -> [M, N]."""
+def bi_matmul_triton(x, weight, bias=None, config: MatmulConfig | None = None, dot: str | None = None,
+                     out_dtype: torch.dtype | None = None):
+    """Launch `_bi_matmul_kernel` on min(tiles, multiprocessors) programs; x [M, K] -> [M, N].
+    `config`: default `matmul_config(N, K, dtype, device)`. `dot`: "mma" (`tl.dot`; default on a GPU) or
+    "sum" (`tl.sum` of the products; default under the interpreter, whose `tl.dot` is numpy's matmul).
+    `out_dtype`: default x's; float32 returns the accumulator itself (tests: bits a 16-bit output rounds away)."""
     M, K = x.shape
     N = weight.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
     if K == 0:
         return y.copy_(bias.expand(M, N)) if bias is not None else y.zero_()
-    BLOCK_M, BLOCK_N, BLOCK_K = TILES.get(x.dtype, DEFAULT_TILES)
-    grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))
+    cfg = config or matmul_config(N, K, x.dtype, x.device)
+    dot = dot or ("sum" if interpreting() else "mma")
+    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+    grid = (min(tiles, device_programs(x.device)),)
     _bi_matmul_kernel[grid](
         x, weight, bias if bias is not None else weight, y,
         M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, ACC_F64=x.dtype == torch.float64, DOT_FP32=interpreting() and x.element_size() == 2,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        HAS_BIAS=bias is not None, ACC_F64=x.dtype == torch.float64,
+        DOT_FP32=interpreting() and x.element_size() == 2, DOT_SUM=dot == "sum",
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

@@ -40,6 +40,18 @@ def k_value(text: str):
         raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {text!r}") from None
 
 
+def batch_invariant_value(text: str):
+    """--batch-invariant's value: "auto", or on/off (true/false, yes/no, 1/0) -> True/False."""
+    value = text.strip().lower()
+    if value == "auto":
+        return "auto"
+    if value in ("on", "true", "yes", "1"):
+        return True
+    if value in ("off", "false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"must be auto, on or off, got {text!r}")
+
+
 # flag dest -> LLM keyword; every flag `add_engine_arguments` adds is here (tests/test_flags.py checks it)
 ENGINE_KWARGS = {
     "method": "method", "batch_size": "batch_size", "num_speculative_tokens": "num_speculative_tokens",
@@ -108,9 +120,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str = "rows dec
                         "once (one extra copy of them; 1.2-1.5x faster multi-token forwards of the default pair, "
                         "docs/benchmarks/packed-weights.md). Default: on for float32 CPU models whose linear weights take at most "
                         "1 GiB")
-    p.add_argument("--batch-invariant", action="store_true", help="batch-invariant numerics: a token's logits are "
-                   "the same bits whatever else shares the forward, so greedy speculative output equals AR bit for "
-                   "bit in bfloat16 and float32 too (slower; docs/design.md)")
+    p.add_argument("--batch-invariant", nargs="?", type=batch_invariant_value, const=True, default="auto",
+                   metavar="{auto,on,off}", help="batch-invariant numerics: a token's logits are the same bits "
+                   "whatever else shares the forward, so greedy speculative output equals AR bit for bit in "
+                   "bfloat16 and float32 too (slower; docs/design.md). Bare flag: on. Default auto: on for the "
+                   "speculative methods on CUDA where a start-up measurement finds it costs at most 1.15x, else off")
     p.add_argument("--profile", action="store_true", help="time every phase of every step (draft, verify, accept, "
                    "realign...) for the realign share and the JSON metrics; synchronises the device at each phase")
 

@@ -13,6 +13,7 @@ from specdec.models.feature_draft import is_feature_draft, load_feature_draft
 from specdec.models.numerics import packing_pays, set_batch_invariant
 from specdec.models.quant import check_format
 
+from . import bi_mode
 from .autok import make_chooser
 from .devices import engine_device
 from .drafts import shipped_draft
@@ -79,7 +80,7 @@ class LLM:
                  kernel_backend: str | None = None, window_size: int = 48, max_wait_steps: int = 8,
                  tokenizer=None, check_weights: bool = False, max_speculative_tokens: int = 8,
                  realign_cost_ratio: float = 0.175, fold_shift: bool = False, compile: bool | None = None,
-                 profile: bool = False, cost_cache: str | None = None, batch_invariant: bool = False,
+                 profile: bool = False, cost_cache: str | None = None, batch_invariant: bool | str = "auto",
                  packed_weights: bool | None = None, lookup: str | None = None, lookup_min_match: int = 2,
                  ngram_min: int = 1, ngram_max: int = 4, suffix_store_tokens: int = 16384, proposer=None,
                  quantize: str | None = None, draft_quantize: str | None = None, cuda_graphs: bool | None = None):
@@ -91,6 +92,7 @@ class LLM:
         k = num_speculative_tokens
         if speculative and k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"num_speculative_tokens must be 'auto' or an int >= 1 for method {method!r}, got {k!r}")
+        bi_mode.check_setting(batch_invariant)
         if method == "exspec" and window_size < batch_size:
             raise ValueError(f"window_size ({window_size}) must be >= batch_size ({batch_size})")
         if check_invariants is None:
@@ -149,7 +151,12 @@ class LLM:
         self.suffix_store = SuffixStore(suffix_store_tokens) if suffix_store_tokens else None
         self.specs = (target, draft)  # what the models were loaded from (auto k caches costs per checkpoint)
         self.draft = self._model(draft, dtype, self.quantize["draft"]) if speculative and draft is not None else None
-        if batch_invariant:  # models/numerics.py; False leaves model objects as they are
+        # True / False / "auto" (specdec/bi_mode.py: on for speculative methods on CUDA where it costs <= 1.15x)
+        self.batch_invariant_choice = bi_mode.choose(
+            batch_invariant, self.target, self.draft, self.device, speculative, batch_size, self.k,
+            self.options.max_speculative_tokens, compile, target, cost_cache)
+        bi_mode.announce(self.batch_invariant_choice)
+        if self.batch_invariant_choice.on:  # models/numerics.py; off leaves model objects as they are
             for model in (self.target, self.draft):
                 if model is not None:
                     set_batch_invariant(model, True)
