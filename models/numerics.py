@@ -29,6 +29,7 @@ from torch import nn
 from specdec.kernels.bi_attention import Workspace, bi_attention, chunk_plan, first_keys
 from specdec.kernels.bi_matmul import bi_linear, pack_weight
 from specdec.kernels.dispatch import choose_backend, one_thread
+from specdec.kernels.rmsnorm import rms_norm as bi_rms_norm
 
 from .quant import COMPUTE_DTYPE, QuantLinear
 
@@ -246,9 +247,13 @@ def sdpa(q, k, v, attn_bias, gqa: bool, causal: bool = False):
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **mask)  # [B, H, T, D]
 
 
-def rms_norm(x, weight, eps: float):
+def rms_norm(x, weight, eps: float, invariant: bool = False, backend: str | None = None):
     """HF's RMSNorm: normalise in float32, cast back to x's dtype, then scale by `weight`. In float32 one op
-    (`F.rms_norm` gives the same bits as the chain: tests/test_models.py); other dtypes the chain's order."""
+    (`F.rms_norm` gives the same bits as the chain: tests/test_lean_forward.py); other dtypes the chain's order.
+    Batch-invariant on the Triton backend: `kernels.rmsnorm` (one program per row; torch's CUDA reductions
+    choose their strategy by shape). The CPU's reductions are row by row: invariant as they are."""
+    if invariant and choose_backend(x, backend) == "triton":
+        return bi_rms_norm(x, weight, eps, backend="triton")
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)

@@ -37,10 +37,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.batch_invariant = False  # set by Transformer.batch_invariant (models/numerics.py)
 
     def forward(self, x):
         # HF order: normalise in float32, cast back, then scale (it matters for parity)
-        return numerics.rms_norm(x, self.weight, self.eps)
+        return numerics.rms_norm(x, self.weight, self.eps, self.batch_invariant)
 
 
 class StepInputs(NamedTuple):
@@ -258,6 +259,9 @@ class Transformer(nn.Module):
         self._batch_invariant = bool(on)
         for layer in self.layers:
             layer.self_attn.batch_invariant = layer.mlp.batch_invariant = bool(on)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.batch_invariant = bool(on)
 
     @property
     def packed_linear(self) -> bool:
