@@ -32,13 +32,17 @@
 #   bi_invariant_tests.log/.xml  the CUDA/Triton cases of tests/test_batch_invariant.py, and tests/test_bi_mode.py
 #   bi_summary.md           every ratio against its bar (invariant matmul >= 0.85x cuBLAS at 1-64 rows; int4 >= 2x,
 #                           int8 >= 1.5x bf16 cuBLAS at 1-8 rows; end to end on/off <= 1.15x; rows equal to AR 100%)
+# Group "step" (bash bench/gpu_check.sh DIR step, about 5 minutes): issue #41's decode step, bench/gpu_step.py
+#   gpu_step.log, gpu_step/gpu_step.jsonl, gpu_step/gpu_step.md   every method (CUDA graphs) and AR without graphs
+#                           against transformers' generate and assisted generation at B 1/8/32; kernels a step,
+#                           GPU busy and HBM roofline share of AR at B 1
 # GPU_CHECK_ALLOW_CPU=1 dry-runs the script itself on a machine without a GPU (kernel tests skip, CPU benchmarks).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 OUT_DIR="$(mkdir -p "${1:-./gpu_results}" && cd "${1:-./gpu_results}" && pwd)"
 GROUP="${2:-base}"
-case "$GROUP" in base|bi|all) ;; *) echo "group must be base, bi or all, got $GROUP" >&2; exit 2;; esac
+case "$GROUP" in base|bi|step|all) ;; *) echo "group must be base, bi, step or all, got $GROUP" >&2; exit 2;; esac
 want() { [[ "$GROUP" == all || "$GROUP" == "$1" ]]; }
 BUDGET="${GPU_CHECK_BUDGET_S:-520}"
 START=$SECONDS
@@ -290,6 +294,17 @@ if os.path.exists(e2e):
     print(open(e2e).read())
 EOF
 head -n 60 "$OUT_DIR/bi_summary.md" || true
+fi
+
+if want step; then
+# -- step: issue #41's decode step on the 7B-shaped pair: every method with CUDA graphs (and AR without) against
+#    transformers' generate and assisted generation; kernels a step, GPU busy, HBM roofline share
+left=$(remaining)
+step_cap=$(( left > 320 ? 300 : left - 20 ))
+step_quick=()
+python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || step_quick=(--quick)  # CPU dry run
+step gpu_step "$step_cap" "$OUT_DIR/gpu_step.log" python -m bench.gpu_step --out "$OUT_DIR/gpu_step" \
+    "${step_quick[@]}" --budget-s $(( step_cap > 60 ? step_cap - 40 : 20 )) || true
 fi
 
 echo "== done in $(( SECONDS - START ))s; results in $OUT_DIR"
