@@ -29,19 +29,38 @@ SPEC_METHODS = ("eqspec", "ragged", "exspec")
 
 
 # ------------------------------------------------------------------------------------------------ probe
-def _rows_alone_vs_batched(fn, X, sizes=(1, 2, 3, 4, 5, 8, 17, 48, 130), shifts=(0, 1, 3), alone=24):
-    """Cases where fn(X[s:s+M]) row r differs from fn(X[s+r : s+r+1]): (M, shift) list, of how many."""
+def _rows_alone_vs_batched(fn, X, sizes=(1, 2, 3, 4, 5, 8, 17, 48, 130, 1030), shifts=(0, 1, 3), alone=24, tile=8):
+    """Cases where a row of fn(X[s:s+M]) differs from that row alone: (M, shift) list, of how many. Every row of
+    every call is compared, with the row in calls of `tile` rows (whose first `alone` rows are compared with each
+    row alone): a kernel that rounds otherwise may change only a few elements of a large call."""
     ref = torch.cat([fn(X[i:i + 1].clone()) for i in range(alone)])
-    bad, total = [], 0
+    tiled = torch.cat([fn(X[i:i + tile].clone()) for i in range(0, len(X), tile)])
+    bad, total = ([(1, "tiles")] if not torch.equal(tiled[:alone], ref) else []), 1
     for M in sizes:
         for s in shifts:
-            n = min(M, alone - s)
-            if n <= 0:
+            if s >= len(X):
                 continue
             total += 1
-            if not torch.equal(fn(X[s:s + M].clone())[:n], ref[s:s + n]):
+            rows = fn(X[s:s + M].clone())
+            if not torch.equal(rows, tiled[s:s + len(rows)]):
                 bad.append((M, s))
     return bad, total
+
+
+def isa_line() -> str:
+    """The CPU's vector extensions that decide the libraries' kernels, and torch's dispatch level."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+    have = [w for w in wanted if w in flags] or ["(no /proc/cpuinfo flags)"]
+    return f"CPU flags {' '.join(have)}; torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
 
 
 def _elementwise_position(fn, x):
@@ -70,6 +89,7 @@ def _sdpa_case(dtype, pad, T, last, q, k, v):
 
 def probe() -> dict:
     """Measure which torch CPU paths give a row the same bits whatever else is in the call."""
+    from specdec.kernels import bi_attention as ba
     from specdec.kernels import bi_matmul as bm
     from specdec.models.transformer import RMSNorm
 
@@ -81,7 +101,7 @@ def probe() -> dict:
         row = results[name] = {}
         W = torch.randn(640, 384).to(dtype)
         b = torch.randn(640).to(dtype)
-        X = torch.randn(200, 384).to(dtype)
+        X = torch.randn(1040, 384).to(dtype)
         row["F.linear (M = B*T rows)"] = _rows_alone_vs_batched(lambda x: F.linear(x, W, b), X)
         row["linear, rows padded to 4 (MKL)"] = _rows_alone_vs_batched(lambda x: bm.padded_linear(x, W, b), X)
         if dtype == torch.float32 and bm.onednn_available():
@@ -89,6 +109,16 @@ def probe() -> dict:
             row["linear, oneDNN packed weight"] = _rows_alone_vs_batched(
                 lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""), X)
         row["bi_linear (the mode)"] = _rows_alone_vs_batched(lambda x: bm.bi_linear(x, W, b, backend="torch"), X)
+        threads = torch.get_num_threads()
+        plan = bm.cpu_plan(dtype, threads, (640, 384))
+        row["bi_linear's plan (cpu_plan)"] = (
+            "as called" if plan == bm.RowPlan(threads, None) else "one thread" if plan.block is None
+            else f"blocks of {plan.block} row(s), {plan.threads} thread(s)")
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        for transposed, what in ((True, "scores: rows x K^T view"), (False, "chunk outputs: probs x V")):
+            ok = ba.bmm_keeps_rows(acc, bm.RowPlan(threads, None), 64, 64, transposed)
+            row[f"bi_attention's bmm, {what}, up to 130 matrices x 200 rows (in float32; float64 for float64)"] = (
+                [] if ok else [None], 1)
         keys = torch.randn(2, 64, 64).to(dtype)  # [batch, chunk, D]: what bi_attention multiplies, K^T as a view
 
         def scores(x):
@@ -136,6 +166,8 @@ def probe_table(results: dict) -> str:
     def cell(op, dtype):
         if op not in results[dtype]:
             return "-"
+        if isinstance(results[dtype][op], str):
+            return results[dtype][op]
         bad, total = results[dtype][op]
         n = bad if isinstance(bad, int) else len(bad)
         return "invariant" if n == 0 else f"**varies** ({n}/{total})"
@@ -302,7 +334,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     if args.what == "probe":
         table = probe_table(probe())
-        result = {"machine": machine_line(), "table": table}
+        result = {"machine": f"{machine_line()}; {isa_line()}", "table": table}
     else:
         result = (equivalence if args.what == "equivalence" else cost)(args)
         table = (equivalence_table if args.what == "equivalence" else cost_table)(result)
