@@ -29,7 +29,8 @@ SPEC_METHODS = ("eqspec", "ragged", "exspec")
 
 
 # ------------------------------------------------------------------------------------------------ probe
-def _rows_alone_vs_batched(fn, X, sizes=(1, 2, 3, 4, 5, 8, 17, 48, 130, 1030), shifts=(0, 1, 3), alone=24, tile=8):
+def _rows_alone_vs_batched(fn, X, sizes=(1, 2, 3, 4, 5, 8, 17, 48, 130, 1030), shifts=(0, 1, 3), alone=24,
+                           tile=8):
     """Cases where a row of fn(X[s:s+M]) differs from that row alone: (M, shift) list, of how many. Every row of
     every call is compared, with the row in calls of `tile` rows (whose first `alone` rows are compared with each
     row alone): a kernel that rounds otherwise may change only a few elements of a large call."""
@@ -117,7 +118,7 @@ def probe() -> dict:
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         for transposed, what in ((True, "scores: rows x K^T view"), (False, "chunk outputs: probs x V")):
             ok = ba.bmm_keeps_rows(acc, bm.RowPlan(threads, None), 64, 64, transposed)
-            row[f"bi_attention's bmm, {what}, up to 130 matrices x 200 rows (in float32; float64 for float64)"] = (
+            row[f"bi_attention's bmm, {what}, up to 128 matrices x 200 rows (in float32; float64 for float64)"] = (
                 [] if ok else [None], 1)
         keys = torch.randn(2, 64, 64).to(dtype)  # [batch, chunk, D]: what bi_attention multiplies, K^T as a view
 

@@ -20,8 +20,9 @@ at all (left padding in a prefill: it only sees its own column, left of the row'
   chunks are added in order by `cumsum` (a sequential scan). Computed in float32 (float64 for float64),
   with a model's reusable buffers (`Workspace`). The two batched matmuls are MKL's, which picks kernels by
   CPU and shape, so as with `bi_matmul` the first call per (dtype, thread count, D, chunk) measures whether
-  a (matrix, row) keeps its bits alone and in calls of up to 130 matrices and 200 rows (`bmm_keeps_rows`), and
-  where it does not they run on one thread, or as calls of one fixed shape (`blocked_bmm`, `bmm_plan`).
+  a (matrix, row) keeps its bits alone and in calls of up to 128 matrices and 200 rows (`bmm_keeps_rows`;
+  larger ones are split, `bounded_bmm`), and where it does not they run on one thread, or as calls of one
+  fixed shape (`blocked_bmm`, `bmm_plan`).
 """
 from __future__ import annotations
 
@@ -37,10 +38,12 @@ from .dispatch import cdiv, check, choose_backend, lazy_jit, next_power_of_2, nu
 tl = None  # triton.language, bound when this module's first kernel is launched (see dispatch.lazy_jit)
 
 CHUNK = 64  # keys reduced together; chunks start at each row's first key
+# Larger batched matmuls are split into calls of at most this many matrices and rows (the largest probed)
+BMM_MAX_MATRICES, BMM_MAX_ROWS = 128, 200
 # (matrices, rows) of the calls `bmm_keeps_rows` compares with each (matrix, row) alone: a decode step of one
 # row (1-2 matrices of 4 rows), verify passes, and a prefill of many prompts at once (exspec's pool prefill of
 # 48 prompts: 96 matrices of 80 rows), and long prompts (200 rows)
-BMM_PROBE = ((1, 4), (2, 4), (2, 20), (3, 12), (16, 20), (96, 80), (130, 8), (8, 200))
+BMM_PROBE = ((1, 4), (2, 4), (2, 20), (3, 12), (16, 20), (96, 80), (BMM_MAX_MATRICES, 8), (8, BMM_MAX_ROWS))
 
 
 def _library_bmm(a, b, out):
@@ -72,10 +75,23 @@ def blocked_bmm(a, b, out, rows: int = BLOCK_ROWS):
     return out
 
 
+def bounded_bmm(a, b, out):
+    """`_library_bmm` in calls of at most BMM_MAX_MATRICES matrices of BMM_MAX_ROWS rows."""
+    Bm, R, _ = a.shape
+    if Bm <= BMM_MAX_MATRICES and R <= BMM_MAX_ROWS:
+        return _library_bmm(a, b, out)
+    for i in range(0, Bm, BMM_MAX_MATRICES):
+        for r in range(0, R, BMM_MAX_ROWS):
+            part = a[i:i + BMM_MAX_MATRICES, r:r + BMM_MAX_ROWS].contiguous()
+            out[i:i + BMM_MAX_MATRICES, r:r + BMM_MAX_ROWS] = _library_bmm(
+                part, b[i:i + BMM_MAX_MATRICES], part.new_empty(part.shape[0], part.shape[1], out.shape[2]))
+    return out
+
+
 def _bmm(plan: RowPlan, a, b, out):
     with num_threads(plan.threads):
         if plan.block is None:
-            return _library_bmm(a, b, out)
+            return bounded_bmm(a, b, out)
         return blocked_bmm(a, b, out, plan.block)
 
 
@@ -207,7 +223,7 @@ def bi_attention_reference(q, k_cache, v_cache, mask, first, plan: ChunkPlan | N
     Bt = B * Hkv * NC  # one [chunk]-key matmul per (row, KV head, chunk)
     acc = _accumulation_dtype(q.dtype)
     ws = plan.workspace
-    bmm = _library_bmm
+    bmm = bounded_bmm
     # is_compiling first: torch.compile cannot trace get_num_threads (a compiled graph keeps the caller's threads)
     if q.device.type == "cpu" and not torch.compiler.is_compiling():
         threads = torch.get_num_threads()

@@ -27,7 +27,8 @@ can be summed in a different order and round differently.
   dot products round differently, from the shape (issue 42: an Intel host left AR's path only in exspec,
   the one method that multiplies a thousand rows at once). So the path is not trusted, it is measured where it runs:
   the first call per (dtype, thread count, weight shape) multiplies random rows of that shape alone and in
-  calls of other sizes, from 2 rows to a prefill of a thousand (`rows_keep_bits`), and picks the first
+  calls of other sizes, from 2 rows to a prefill of 1024 (`rows_keep_bits`; larger calls are split into
+  calls of at most 1024 rows, `bounded_linear`), and picks the first
   formulation under which every row keeps its bits (`cpu_plan`): the path as called; on one thread (the
   H200 machine's host CPU needed it: float32 through oneDNN at two threads changed rows at M = 3 and 48);
   in calls of exactly BLOCK_ROWS rows (`blocked_linear`: zero rows pad the last block; every call then has
@@ -57,7 +58,10 @@ DEFAULT_TILES = (32, 64, 32)
 # What `rows_keep_bits` multiplies: calls of M rows starting at row `shift` of its inputs, (M, shift). The sizes
 # run from a decode step to a prefill of many prompts at once (exspec prefills its whole pool in one call: 1035
 # and 1248 rows on 96 short prompts at batch 5 and 8, where no call of the other methods exceeded 184 rows).
-PROBE_CALLS = tuple((M, shift) for M in (2, 3, 4, 5, 8, 17, 48) for shift in (0, 1, 3)) + ((130, 1), (1030, 3))
+# Larger calls are split into calls of MAX_CALL_ROWS rows (and one of the rest), so that no call of the mode
+# is larger than the largest one probed.
+MAX_CALL_ROWS = 1024
+PROBE_CALLS = tuple((M, shift) for M in (2, 3, 4, 5, 8, 17, 48) for shift in (0, 1, 3)) + ((130, 1), (MAX_CALL_ROWS, 3))
 PROBE_TILE = 48  # every probed row is compared with the same row in a call of this many rows (22 of them)
 BLOCK_ROWS = 16  # the fixed call size of `blocked_linear` (a multiple of every GEMM row tile seen: 4, 8, 16)
 
@@ -143,10 +147,18 @@ class RowPlan(NamedTuple):
     block: int | None  # None: the whole call at once; else calls of exactly `block` rows (`blocked_linear`)
 
 
+def bounded_linear(x, weight, bias=None, packed=None):
+    """The dtype's CPU path in calls of at most MAX_CALL_ROWS rows. x [M, K] -> [M, N]."""
+    M = x.shape[0]
+    if M <= MAX_CALL_ROWS:
+        return _cpu_linear(x, weight, bias, packed)
+    return torch.cat([_cpu_linear(x[i:i + MAX_CALL_ROWS], weight, bias, packed) for i in range(0, M, MAX_CALL_ROWS)])
+
+
 def _run(plan: RowPlan, x, weight, bias=None, packed=None):
     with num_threads(plan.threads):
         if plan.block is None:
-            return _cpu_linear(x, weight, bias, packed)
+            return bounded_linear(x, weight, bias, packed)
         return blocked_linear(x, weight, bias, packed, plan.block)
 
 
@@ -155,7 +167,8 @@ def rows_keep_bits(dtype: torch.dtype, plan: RowPlan, shape: tuple[int, int] = (
     """Whether `dtype`'s CPU path run as `plan` gives each row the same bits alone and in the PROBE_CALLS:
     measured once per process on a fixed random weight of `shape` [N, K] (the caller's layer's shape). Every
     row of every call is compared (a kernel that rounds differently changes only some elements: a float32 and
-    a bfloat16-native GEMM of 1030 x 384 x 640 gave other bfloat16 bits in 72 of 659,200), against the same
+    a bfloat16-native GEMM of 1030 x 384 x 640 gave other bfloat16 bits in 72 of 659,200 on the project's
+    AVX-512 EPYC), against the same
     rows in calls of PROBE_TILE rows, whose first PROBE_TILE rows are compared with each row alone."""
     N, K = shape
     g = torch.Generator().manual_seed(0)
@@ -195,7 +208,7 @@ def bi_matmul_reference(x, weight, bias=None, packed=None):
     threads = torch.get_num_threads()
     plan = cpu_plan(x.dtype, threads, tuple(weight.shape))
     if plan.threads == threads and plan.block is None:
-        return _cpu_linear(x, weight, bias, packed)
+        return bounded_linear(x, weight, bias, packed)
     return _run(plan, x, weight, bias, packed)
 
 

@@ -145,6 +145,22 @@ def test_a_cpu_whose_kernel_switches_with_the_call_size_multiplies_in_fixed_bloc
     assert torch.allclose(y[0].double(), F.linear(X[:37].double(), W.double(), b.double()), atol=0.1, rtol=1e-2)
 
 
+def test_no_call_of_the_mode_is_larger_than_the_probed_ones(monkeypatch):
+    """The probes measure calls of up to MAX_CALL_ROWS rows (BMM_MAX_MATRICES x BMM_MAX_ROWS for the attention's
+    batched matmuls); the mode splits larger ones, so no call it makes is larger than one measured."""
+    sizes, shapes = [], []
+    real_linear, real_bmm = bm._cpu_linear, ba._library_bmm
+    monkeypatch.setattr(bm, "_cpu_linear", lambda x, *a: sizes.append(x.shape[0]) or real_linear(x, *a))
+    monkeypatch.setattr(ba, "_library_bmm", lambda a, b, out: shapes.append(a.shape[:2]) or real_bmm(a, b, out))
+    x, w = torch.randn(2100, 16), torch.randn(8, 16)
+    y = bm.bounded_linear(x, w)
+    assert sizes == [bm.MAX_CALL_ROWS, bm.MAX_CALL_ROWS, 52] and torch.allclose(y, F.linear(x, w), atol=1e-5)
+    a, b = torch.randn(300, 420, 8), torch.randn(300, 6, 8)
+    out = ba.bounded_bmm(a, b.transpose(1, 2), torch.empty(300, 420, 6))
+    assert max(n for n, _ in shapes) == ba.BMM_MAX_MATRICES and max(r for _, r in shapes) == ba.BMM_MAX_ROWS
+    assert len(shapes) == 3 * 3 and torch.allclose(out, torch.bmm(a, b.transpose(1, 2)), atol=1e-5)
+
+
 def test_row_probe_finds_the_first_plan_that_keeps_rows(monkeypatch, fresh_plans):
     """`rows_keep_bits` holds for this CPU's paths as called (every dtype), and fails for kernels that change a
     row with the call: another kernel for one row alone (a GEMV path), for prefill-sized calls, for rows after
