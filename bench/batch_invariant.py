@@ -1,9 +1,11 @@
 """Batch-invariant numerics (`LLM(batch_invariant=True)`): what it fixes, what it costs.
 
 probe: which torch CPU ops give a row the same bits whatever else is in the call, per dtype; equivalence: greedy
-eqspec/ragged/exspec at batch 8 against AR at batch 1 on SpecBench, mode off and on; cost: tokens/s with the mode
-off and on, interleaved, both pairs (docs/benchmarks/batch-invariant.md). JSON and markdown go to --out
-(default bench/results/batch_invariant).
+eqspec/ragged/exspec at batch 8 against AR at batch 1 on SpecBench, mode off and on; pool-prefill: the same, mode
+on, bfloat16, on issue 42's 96 short prompts (first lines of this Python's stdlib test files), at exspec's two
+configurations, optionally on a simulated CPU whose bfloat16 kernel changes above --simulate-switch rows; cost:
+tokens/s with the mode off and on, interleaved, both pairs (docs/benchmarks/batch-invariant.md). JSON and
+markdown go to --out (default bench/results/batch_invariant).
 
     python -m bench.batch_invariant probe
 """
@@ -242,6 +244,91 @@ def equivalence_table(info: dict) -> str:
     return md_table(["dtype", "batch_invariant"] + [f"{m} == AR@1" for m in SPEC_METHODS], rows)
 
 
+# ----------------------------------------------------------------------------------------- pool prefill
+ISSUE42_PROMPT = "class TestEUCKRMap(multibytecodec_support.TestBase_Mapping,\n"
+POOL_PREFILL_RUNS = (("exspec", 8, 5), ("exspec", 5, 3), ("eqspec", 8, 5), ("ragged", 8, 5))
+
+
+def stdlib_prompts(count: int = 96) -> list[str]:
+    """Issue 42's prompt (`ISSUE42_PROMPT`) at index 47 among the first `class`/`def` line (with its newline)
+    of each of the first count - 1 `test_*.py` files of this Python's Lib/test, in name order."""
+    import glob
+    import sysconfig
+
+    lines = []
+    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "test", "test_*.py"))):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            line = next((x for x in f if x.startswith(("class ", "def "))), None)
+        if line is not None:
+            lines.append(line)
+        if len(lines) == count - 1:
+            break
+    return lines[:47] + [ISSUE42_PROMPT] + lines[47:]
+
+
+def simulated_switch(rows: int):
+    """A stand-in for bi_matmul's CPU path on a CPU whose bfloat16 kernel sums otherwise in calls of more than
+    `rows` rows: there, MKL's float32 GEMM of the upcast inputs, rounded once (other bfloat16 bits in about 1e-4
+    of the outputs)."""
+    from specdec.kernels import bi_matmul as bm
+
+    real = bm._cpu_linear
+
+    def kernel(x, weight, bias=None, packed=None):
+        if x.dtype == torch.bfloat16 and x.shape[0] > rows:
+            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+        return real(x, weight, bias, packed)
+
+    return kernel
+
+
+def pool_prefill(args) -> dict:
+    from specdec import LLM, SamplingParams
+    from specdec.kernels import bi_matmul as bm
+    from specdec.prompts import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    if args.simulate_switch:
+        bm._cpu_linear = simulated_switch(args.simulate_switch)
+    largest = [0]
+    reference = bm.bi_matmul_reference
+
+    def counted(x, *rest):  # the largest call of each run (before bounded_linear splits it)
+        largest[0] = max(largest[0], x.shape[0])
+        return reference(x, *rest)
+
+    bm.bi_matmul_reference = counted
+    prompts = stdlib_prompts()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    info = {"machine": f"{machine_line()}; {isa_line()}", "simulate_switch": args.simulate_switch,
+            "num_prompts": len(prompts), "max_tokens": args.max_tokens, "runs": []}
+    t0 = time.perf_counter()
+    ref = LLM(DEFAULT_TARGET, method="ar", batch_size=1, dtype="bfloat16", batch_invariant=True).generate(
+        prompts, sampling_params=params)
+    info["runs"].append({"method": "ar", "batch_size": 1, "k": None, "largest_call_rows": largest[0],
+                         "seconds": time.perf_counter() - t0})
+    for method, batch, k in POOL_PREFILL_RUNS:
+        largest[0] = 0
+        t0 = time.perf_counter()
+        outs = LLM(DEFAULT_TARGET, DEFAULT_DRAFT, method=method, batch_size=batch, num_speculative_tokens=k,
+                   dtype="bfloat16", batch_invariant=True).generate(prompts, sampling_params=params)
+        mismatched = [(o.index, next(i for i, (a, b) in enumerate(zip(o.token_ids + [None], r.token_ids + [None]))
+                                     if a != b)) for o, r in zip(outs, ref) if o.token_ids != r.token_ids]
+        run = {"method": method, "batch_size": batch, "k": k, "matches": len(prompts) - len(mismatched),
+               "of": len(prompts), "mismatched": mismatched, "largest_call_rows": largest[0],
+               "seconds": time.perf_counter() - t0}
+        info["runs"].append(run)
+        log("pool-prefill", f"{method} B {batch} k {k}: {run['matches']}/{len(prompts)} match AR@1, largest call "
+            f"{largest[0]} rows ({run['seconds']:.0f}s)")
+    return info
+
+
+def pool_prefill_table(info: dict) -> str:
+    return md_table(["method", "B", "k", "== AR@1", "mismatched (prompt @ token)", "largest linear call (rows)"],
+                    ([r["method"], r["batch_size"], r["k"] or "-", f"{r['matches']}/{r['of']}" if "of" in r else "-",
+                      ", ".join(f"{i} @ {t}" for i, t in r.get("mismatched", [])) or "-", r["largest_call_rows"]]
+                     for r in info["runs"]), right={5})
+
+
 # ------------------------------------------------------------------------------------------------ cost
 COST_CONFIGS = (("ar", 1), ("ar", 8), ("eqspec", 8), ("ragged", 8), ("exspec", 8))
 
@@ -306,7 +393,7 @@ def cost_table(info: dict) -> str:
 # ------------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    p.add_argument("what", choices=("probe", "equivalence", "cost"))
+    p.add_argument("what", choices=("probe", "equivalence", "pool-prefill", "cost"))
     p.add_argument("--prompts", default=SPEC_BENCH, help="SpecBench-style question.jsonl (first turns)")
     p.add_argument("--num-prompts", type=int, default=None, help="equivalence: the first N prompts (default all)")
     p.add_argument("--dtypes", type=comma_list(("bfloat16", "float32", "float64", "float16")),
@@ -325,6 +412,8 @@ def main(argv=None) -> int:
     p.add_argument("--cost-prompts", type=int, default=16, help="cost: prompts per batch-8 run")
     p.add_argument("--cost-prompts-b1", type=int, default=4, help="cost: prompts per batch-1 run")
     p.add_argument("--rounds", type=int, default=3, help="cost: interleaved rounds")
+    p.add_argument("--simulate-switch", type=int, default=0, metavar="ROWS",
+                   help="pool-prefill: bfloat16 calls of more than ROWS rows take another kernel (0: none)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--out", default=DEFAULT_OUT, help="output folder")
     args = p.parse_args(argv)
@@ -336,6 +425,9 @@ def main(argv=None) -> int:
     if args.what == "probe":
         table = probe_table(probe())
         result = {"machine": f"{machine_line()}; {isa_line()}", "table": table}
+    elif args.what == "pool-prefill":
+        result = pool_prefill(args)
+        table = pool_prefill_table(result)
     else:
         result = (equivalence if args.what == "equivalence" else cost)(args)
         table = (equivalence_table if args.what == "equivalence" else cost_table)(result)
@@ -347,6 +439,8 @@ def main(argv=None) -> int:
         header += (f"; target {result['target_sha256']}, draft {result['draft_sha256']} (sha256 of model.safetensors, "
                    f"first 16 hex); {result['num_prompts']} prompts, {result['prompts_cut']} cut to "
                    f"{result['max_prompt_tokens']} tokens")
+    if args.what == "pool-prefill":
+        name += (f"-switch{args.simulate_switch}" if args.simulate_switch else "") + f"-threads{args.threads}"
     write_json(os.path.join(args.out, f"{name}.json"), result)
     text = f"{header}\n\n{table}\n"
     with open(os.path.join(args.out, f"{name}.md"), "w") as f:

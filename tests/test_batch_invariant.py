@@ -178,7 +178,8 @@ def test_row_probe_finds_the_first_plan_that_keeps_rows(monkeypatch, fresh_plans
         assert not bm.rows_keep_bits(torch.bfloat16, bm.RowPlan(1, None), (131, 64)), name
         with dispatch.one_thread():
             assert bm.cpu_plan(torch.bfloat16, 1, (131, 64)) == plan, name
-            assert rows_alone_vs_batched(lambda x: bm.bi_linear(x, W, backend="torch"), X, sizes=(2, 17, 270)) == [], name
+            bad = rows_alone_vs_batched(lambda x: bm.bi_linear(x, W, backend="torch"), X, sizes=(2, 17, 270))
+            assert bad == [], name
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -194,7 +195,8 @@ def test_linear_rows_do_not_depend_on_the_call(dtype):
         threads = torch.get_num_threads()
         try:  # the libraries split work by thread count: check two threads too (the CLI's default here)
             torch.set_num_threads(2)
-            assert rows_alone_vs_batched(lambda x: bm.bi_linear(x, W, b, backend="torch"), X[:60], sizes=(1, 3, 48)) == []
+            assert rows_alone_vs_batched(lambda x: bm.bi_linear(x, W, b, backend="torch"), X[:60],
+                                         sizes=(1, 3, 48)) == []
         finally:
             torch.set_num_threads(threads)
         packed = bm.pack_weight(W)  # what the model keeps; the same bits as packing on the fly
@@ -207,7 +209,8 @@ def test_linear_rows_do_not_depend_on_the_call(dtype):
         if dtype != torch.bfloat16:  # the ordinary path does depend on M: the mode is needed
             assert rows_alone_vs_batched(lambda x: F.linear(x, W, b), X[:60]), f"{dtype}: F.linear already invariant"
         y = bm.bi_linear(X[:60], W, b, backend="torch").double()
-        assert torch.allclose(y, F.linear(X[:60].double(), W.double(), b.double()), rtol=2e-2, atol=2e-2 * y.abs().max())
+        assert torch.allclose(y, F.linear(X[:60].double(), W.double(), b.double()), rtol=2e-2,
+                              atol=2e-2 * y.abs().max())
 
 
 def test_cpu_paths_are_the_measured_ones():
