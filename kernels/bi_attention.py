@@ -24,21 +24,127 @@ at all (left padding in a prefill: it only sees its own column, left of the row'
   invariant on this CPU, like bi_matmul's paths; the row maximum is exact in any order; `exp` is torch's
   vectorised one (the same per element wherever it sits); each chunk's sum has the fixed length CHUNK;
   chunks are added in order by `cumsum` (a sequential scan). Computed in float32 (float64 for float64),
-  with a model's reusable buffers (`Workspace`).
+  with a model's reusable buffers (`Workspace`). The two batched matmuls are MKL's, which picks kernels by
+  CPU and shape, so as with `bi_matmul` the first call per (dtype, thread count, D, chunk) measures whether
+  a (matrix, row) keeps its bits alone and in calls of up to 128 matrices and 200 rows (`bmm_keeps_rows`;
+  larger ones are split, `bounded_bmm`), and where it does not they run on one thread, or as calls of one
+  fixed shape (`blocked_bmm`, `bmm_plan`).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import torch
 
-from .bi_matmul import padded_rows
-from .dispatch import cdiv, check, choose_backend, interpreting, lazy_jit, next_power_of_2
+from .bi_matmul import BLOCK_ROWS, RowPlan, padded_rows
+from .dispatch import cdiv, check, choose_backend, interpreting, lazy_jit, next_power_of_2, num_threads
 
 tl = None  # triton.language, bound when this module's first kernel is launched (see dispatch.lazy_jit)
 
 CHUNK = 64  # keys reduced together; chunks start at each row's first key
+# Larger batched matmuls are split into calls of at most this many matrices and rows (the largest probed)
+BMM_MAX_MATRICES, BMM_MAX_ROWS = 128, 200
+# (matrices, rows) of the calls `bmm_keeps_rows` compares with each (matrix, row) alone: a decode step of one
+# row (1-2 matrices of 4 rows), verify passes, and a prefill of many prompts at once (exspec's pool prefill of
+# 48 prompts: 96 matrices of 80 rows), and long prompts (200 rows)
+BMM_PROBE = ((1, 4), (2, 4), (2, 20), (3, 12), (16, 20), (96, 80), (BMM_MAX_MATRICES, 8), (8, BMM_MAX_ROWS))
+
+
+def _library_bmm(a, b, out):
+    """The library's batched matmul (MKL's on the CPU): a [Bm, R, X] @ b [Bm, X, Y] into out [Bm, R, Y]."""
+    return torch.bmm(a, b, out=out)
+
+
+def blocked_bmm(a, b, out, rows: int = BLOCK_ROWS):
+    """out[i] = a[i] @ b[i] by `torch.bmm` calls of one shape: 2 matrices of `rows` rows (zeros pad the rest),
+    from staging buffers of b's layout (a transposed view stays a transposed view). a [Bm, R, X]; b [Bm, X, Y];
+    out [Bm, R, Y]."""
+    Bm, R, X = a.shape
+    Y = b.shape[2]
+    transposed = not b.is_contiguous() and b.transpose(1, 2).is_contiguous()
+    store = b.new_zeros((2, Y, X) if transposed else (2, X, Y))  # [2, Y, X] or [2, X, Y]
+    sb = store.transpose(1, 2) if transposed else store  # [2, X, Y]
+    sa = a.new_zeros(2, rows, X)  # [2, rows, X]
+    so = out.new_empty(2, rows, Y)  # [2, rows, Y]
+    for i in range(0, Bm, 2):
+        n = min(2, Bm - i)
+        sb[:n] = b[i:i + n]
+        sb[n:] = 0
+        for r in range(0, R, rows):
+            m = min(rows, R - r)
+            sa.zero_()
+            sa[:n, :m] = a[i:i + n, r:r + m]
+            _library_bmm(sa, sb, so)
+            out[i:i + n, r:r + m] = so[:n, :m]
+    return out
+
+
+def bounded_bmm(a, b, out):
+    """`_library_bmm` in calls of at most BMM_MAX_MATRICES matrices of BMM_MAX_ROWS rows."""
+    Bm, R, _ = a.shape
+    if Bm <= BMM_MAX_MATRICES and R <= BMM_MAX_ROWS:
+        return _library_bmm(a, b, out)
+    for i in range(0, Bm, BMM_MAX_MATRICES):
+        for r in range(0, R, BMM_MAX_ROWS):
+            part = a[i:i + BMM_MAX_MATRICES, r:r + BMM_MAX_ROWS].contiguous()
+            out[i:i + BMM_MAX_MATRICES, r:r + BMM_MAX_ROWS] = _library_bmm(
+                part, b[i:i + BMM_MAX_MATRICES], part.new_empty(part.shape[0], part.shape[1], out.shape[2]))
+    return out
+
+
+def _bmm(plan: RowPlan, a, b, out):
+    with num_threads(plan.threads):
+        if plan.block is None:
+            return bounded_bmm(a, b, out)
+        return blocked_bmm(a, b, out, plan.block)
+
+
+@functools.cache
+def bmm_keeps_rows(dtype: torch.dtype, plan: RowPlan, inner: int, cols: int, transposed: bool) -> bool:
+    """Whether `torch.bmm` run as `plan` gives a (matrix, row) of a [Bm, R, inner] @ [Bm, inner, cols] product
+    (b a transposed view of [Bm, cols, inner] when `transposed`, as the scores' K^T is) the same bits in every
+    BMM_PROBE call as in calls of 2 matrices of 20 rows (and those, for two matrices' first 20 rows, as in calls
+    of 2 matrices of 4 rows: a decode step's); every row of every call compared. Measured once per process."""
+    g = torch.Generator().manual_seed(0)
+    most, longest = max(n for n, _ in BMM_PROBE), max(r for _, r in BMM_PROBE)
+    A = torch.randn(most, longest, inner, generator=g).to(dtype)  # [most, longest, inner]
+    Bs = torch.randn(most, *((cols, inner) if transposed else (inner, cols)), generator=g).to(dtype)
+
+    def call(i, n, r0, R):  # matrices i..i+n-1, rows r0..r0+R-1, in one call -> [n, R, cols]
+        bs = Bs[i:i + n].clone()
+        return _bmm(plan, A[i:i + n, r0:r0 + R].clone(), bs.transpose(1, 2) if transposed else bs,
+                    torch.empty(n, R, cols, dtype=dtype))
+
+    @functools.cache
+    def tile(i, j):  # matrices i, i+1 and rows j..j+19 in one call: the reference
+        return call(i, 2, j, 20)
+
+    def reference(n, R):  # [n, R, cols] from tiles
+        return torch.cat([torch.cat([tile(i, j) for j in range(0, R, 20)], dim=1)
+                          for i in range(0, n, 2)])[:n, :R]
+
+    decode = torch.cat([call(0, 2, j, 4) for j in range(0, 20, 4)], dim=1)  # [2, 20, cols], calls of 4 rows
+    if not torch.equal(decode, reference(2, 20)):
+        return False
+    for n, R in BMM_PROBE:
+        if transposed and n == 1:  # never called so: the scores' batch is padded to two matrices
+            continue
+        if not torch.equal(call(0, n, 0, R), reference(n, R)):
+            return False
+    return True
+
+
+@functools.cache
+def bmm_plan(dtype: torch.dtype, threads: int, head_dim: int, chunk: int) -> RowPlan:
+    """How the reference's two products run (the first plan under which both keep rows, as `bi_matmul.cpu_plan`):
+    scores [Bm, Rp, D] @ K^T [Bm, D, chunk] and chunk outputs [Bt, Rp, chunk] @ V [Bt, chunk, D]."""
+    candidates = [RowPlan(threads, None), RowPlan(1, None), RowPlan(threads, BLOCK_ROWS), RowPlan(1, BLOCK_ROWS)]
+    for plan in dict.fromkeys(candidates):
+        if bmm_keeps_rows(dtype, plan, head_dim, chunk, True) and bmm_keeps_rows(dtype, plan, chunk, head_dim, False):
+            return plan
+    return RowPlan(1, 1)
 
 
 def first_keys(mask):
@@ -123,6 +229,13 @@ def bi_attention_reference(q, k_cache, v_cache, mask, first, plan: ChunkPlan | N
     Bt = B * Hkv * NC  # one [chunk]-key matmul per (row, KV head, chunk)
     acc = _accumulation_dtype(q.dtype)
     ws = plan.workspace
+    bmm = bounded_bmm
+    # is_compiling first: torch.compile cannot trace get_num_threads (a compiled graph keeps the caller's threads)
+    if q.device.type == "cpu" and not torch.compiler.is_compiling():
+        threads = torch.get_num_threads()
+        how = bmm_plan(acc, threads, D, chunk)
+        if how.threads != threads or how.block is not None:  # this CPU's bmm changes rows with the call
+            bmm = functools.partial(_bmm, how)
 
     def buffer(name, shape, dtype, layout=None):  # (view, new layout: padding not zeroed yet)
         if ws is None:
@@ -147,14 +260,14 @@ def bi_attention_reference(q, k_cache, v_cache, mask, first, plan: ChunkPlan | N
     scaled = (q.to(acc) * (1.0 / math.sqrt(D))).reshape(B, Hkv, 1, R, D)  # row g*T+t: query head kv*G+g, query t
     rows[:Bt].view(B, Hkv, NC, Rp, D)[:, :, :, :R] = scaled
     scores, _ = buffer("scores", (Bm, Rp, chunk), acc)
-    torch.bmm(rows, keys.transpose(1, 2), out=scores)  # [Bm, Rp, chunk]: K^T as a view, never copied
+    bmm(rows, keys.transpose(1, 2), scores)  # [Bm, Rp, chunk]: K^T as a view, never copied
     scores = scores[:Bt].view(B, Hkv, NC, Rp, chunk).masked_fill_(plan.hidden, float("-inf"))
     top = scores.amax(dim=(2, 4), keepdim=True)  # [B, H_kv, 1, Rp, 1] exact in any order
     top.clamp_(min=torch.finfo(acc).min)  # finite for rows with no visible key (their scores stay -inf)
     probs = scores.sub_(top).exp_()  # [B, H_kv, NC, Rp, chunk], in place of the scores; 0 where hidden
     sums = probs.sum(dim=-1)  # [B, H_kv, NC, Rp], one fixed-length sum per chunk
     parts, _ = buffer("parts", (Bt, Rp, D), acc)
-    torch.bmm(probs.view(Bt, Rp, chunk), values, out=parts)  # [Bt, Rp, D]
+    bmm(probs.view(Bt, Rp, chunk), values, parts)  # [Bt, Rp, D]
     # chunks added in order (cumsum is a sequential scan: one fixed order for every row)
     total = sums.cumsum(dim=2)[:, :, -1]  # [B, H_kv, Rp]
     out = parts.view(B, Hkv, NC, Rp, D).cumsum(dim=2)[:, :, -1]  # [B, H_kv, Rp, D], fresh: not a buffer

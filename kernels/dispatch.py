@@ -126,11 +126,19 @@ def cdiv(a: int, b: int) -> int:
 
 
 @contextlib.contextmanager
-def one_thread():
-    """torch runs one intra-op thread inside the block (the caller's count is restored after it)."""
+def num_threads(n: int):
+    """torch runs `n` intra-op threads inside the block (the caller's count is restored after it)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if n == threads:
+        yield
+        return
+    torch.set_num_threads(n)
     try:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def one_thread():
+    """torch runs one intra-op thread inside the block (the caller's count is restored after it)."""
+    return num_threads(1)

@@ -7,8 +7,8 @@ a verify pass, in a batch of 8, at any row, after any left padding. Per op, on t
 
 | op | ordinary path | batch-invariant mode |
 |---|---|---|
-| linear (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`, `lm_head`) | MKL picks a kernel by M = B*T: float32/float64 rows change with M | `kernels.bi_matmul.bi_linear`: CPU float32 oneDNN on a packed weight (kept per layer, `packed_weight`), bfloat16 `F.linear`, float64 MKL on rows padded to a multiple of 4; Triton: fixed tiles, no split-K |
-| attention | SDPA's blocks start at column 0 and depend on T: not invariant | `kernels.bi_attention.bi_attention`: chunks from each row's first key |
+| linear (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`, `lm_head`) | MKL picks a kernel by M = B*T: float32/float64 rows change with M | `kernels.bi_matmul.bi_linear`: CPU float32 oneDNN on a packed weight (kept per layer, `packed_weight`), bfloat16 `F.linear`, float64 MKL on rows padded to a multiple of 4 -- each run as `bi_matmul.cpu_plan` measures it keeps rows on this CPU (up to prefill-sized calls; else on one thread or in fixed 16-row calls); Triton: fixed tiles, no split-K |
+| attention | SDPA's blocks start at column 0 and depend on T: not invariant | `kernels.bi_attention.bi_attention`: chunks from each row's first key (its batched matmuls measured like the linear layers: `bmm_plan`) |
 | SiLU | float32/float64: the vectorised and the scalar tail loop differ in the last bit, and where the tail falls depends on the tensor's size and thread split | `x / (1 + exp(-x))` (exp, +, / give the same bits wherever the element sits); bfloat16's `F.silu` is invariant (all 65536 inputs checked) and kept |
 | RMSNorm, q/k norm | one row at a time, fixed order: invariant | unchanged |
 | RoPE (`cos`/`sin` of float32 angles, mul/add) | invariant (vectorised `cos`/`sin` are used for every element) | unchanged |
