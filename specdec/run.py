@@ -20,14 +20,14 @@ import sys
 import threading
 
 from .distributed import add_arguments as add_ray_arguments, wants_ray
-from .flags import add_engine_arguments, build_llm, checkpoint_pair, positive_int
+from .flags import Parser, add_engine_arguments, build_llm, checkpoint_pair, positive_int
 from .output import JsonlOutput, check_paths
 from .prompts import DEFAULT_PROMPTS, read_prompts
 from .summary import metrics_row, summary_table
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m specdec.run",
         description="Batch speculative decoding (exact EQSPEC / EXSPEC / ragged) on Llama/Vicuna, Qwen3 and "
                     "GLM-4 checkpoints. Without --target/--draft it uses the embedded default pair.",

@@ -127,7 +127,14 @@ class Routes:
 
     def start(self, body, prompt_ids: list[int], params: SamplingParams, prefix: str) -> Generation:
         arrival = time.perf_counter()
-        request_id, queue = self.worker.add(prompt_ids, params, prefix)
+        try:
+            request_id, queue = self.worker.add(prompt_ids, params, prefix)
+        except ApiError as e:
+            if e.status == 400 and e.param is None:  # the engine refused the prompt: empty, ids outside the
+                e.param = "messages" if prefix == "chatcmpl" else "prompt"  # vocabulary, or beyond the context
+                if positions_needed(len(prompt_ids), params.max_tokens, self.k_max) > self.max_context:
+                    e.code = "context_length_exceeded"  # OpenAI's code
+            raise
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         return Generation(self.worker, self.metrics, self.tokenizer.decode, request_id, queue, prompt_ids,
                           body.stops, arrival)

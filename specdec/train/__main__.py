@@ -11,6 +11,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from specdec.flags import Parser
+
 KINDS = {
     "small": "a small Llama model distilled from the target's greedy continuations (the default pair's recipe; "
              "the target: a Llama checkpoint directory with a SentencePiece tokenizer.model)",
@@ -52,7 +54,7 @@ def non_negative_int(text):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m specdec.train", formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
         description="Train a draft model for a target; the result is a directory that `python -m specdec.run "
                     "--draft DIR` and specdec.LLM(target, DIR) accept. Kinds:\n\n" +
