@@ -142,6 +142,8 @@ def run(args, sink: JsonlOutput | None = None) -> int:
             spec1 = llm.generate(prompt_token_ids=ids[:n], sampling_params=params[:n], use_tqdm=show, batch_size=1)
             rows = [(ar1.metrics, None), (spec1.metrics, ar1.metrics.tokens_per_s)] + rows
 
+    if default_pair and args.samples > 0:
+        print(TOY_PAIR)
     for o in list(outputs)[: max(args.samples, 0)]:
         print(f"--- request {o.index} ({len(o.token_ids)} tokens, {o.finish_reason})")
         prompt = o.prompt + ("\n" if args.chat else "")  # a chat answer is a new turn, not a continuation
@@ -177,6 +179,9 @@ def run(args, sink: JsonlOutput | None = None) -> int:
     return 0
 
 
+TOY_PAIR = ("(the embedded pair is a toy: a 15.7M-parameter target and a 3.6M-parameter draft trained for about an "
+            "hour on the Python standard library, to show the method on real text; they write plausible-looking, "
+            "repetitive Python, not useful code. --target a real model for real answers: README.md, 'A real model')")
 BATCH1_PROMPTS = 8  # prompts of the batch-1 comparison rows (--compare-ar with --batch-size > 1)
 
 

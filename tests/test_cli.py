@@ -39,6 +39,7 @@ def test_no_arguments_runs_the_default_pair():
     assert "| ar |" in out and "| eqspec |" in out
     assert "Check against AR decoding:" in out
     assert "--- request 0" in out
+    assert "(the embedded pair is a toy: " in out  # issue 44: its repetitive samples are explained
 
 
 def test_jsonl_prompts_output_and_compare_ar(pair):
@@ -325,3 +326,14 @@ def test_one_prompt_is_decoded_at_batch_1_and_the_summary_counts_what_it_timed(p
     assert m["calibration_s"] >= 0.01 and "| realign share |" in out
     assert (f"\n2 requests, {m['generated_tokens']} tokens in {m['wall_time_s']:.2f} s "
             f"(+ {m['calibration_s']:.2f} s measuring forward costs for auto k, once);") in out, out
+
+
+def test_the_embedded_pair_says_it_is_a_toy_and_a_real_target_does_not(pair, capsys):
+    from specdec.run import TOY_PAIR, main
+
+    assert main(["--prompt", "def f(x):", "--max-tokens", "2", "--no-compare-ar", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.index(TOY_PAIR) < out.index("--- request 0")  # said before its samples
+    target, draft, _ = pair
+    assert main(["--target", target, "--draft", draft, "--prompt", "w1", "--max-tokens", "2", "--no-progress"]) == 0
+    assert "toy" not in capsys.readouterr().out

@@ -164,7 +164,24 @@ def test_bad_inputs_get_one_clear_line(target, tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(argv)
         err = capsys.readouterr().err.strip().splitlines()
-        assert err and __import__("re").search(words, err[-1]), (words, err)
+        assert len(err) == 1 and __import__("re").search(words, err[0]), (words, err)  # no usage block (issue 44)
+
+
+@pytest.mark.parametrize("kind, other", [("feature", "small"), ("small", "feature")])
+def test_a_kinds_help_lists_its_flags_and_the_shared_ones_only(kind, other, capsys):
+    """`python -m specdec.train feature --help` is about feature drafts: small's flags are not listed (and still
+    refused by name when given to feature, above)."""
+    from specdec.train.__main__ import build_parser, kind_only_flags
+
+    with pytest.raises(SystemExit):
+        main([kind, "--help"])
+    text = capsys.readouterr().out
+    options = {line.split()[0].rstrip(",") for line in text.splitlines() if line.startswith("  -")}
+    listed = lambda dest: f"--{dest.replace('_', '-')}" in options  # noqa: E731  (a line of the flag's own)
+    owned = kind_only_flags(build_parser())
+    assert all(listed(dest) for dest in owned[kind] if dest != "k") and f"{kind} only" in text
+    assert not any(listed(dest) for dest in owned[other] if dest != "k") and f"{other} only" not in text
+    assert {"--target", "--minutes", "--out"} <= options
 
 
 def test_the_plot_is_skipped_with_a_line_without_matplotlib(tmp_path, monkeypatch):

@@ -53,7 +53,9 @@ def non_negative_int(text):
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(kind: str | None = None) -> argparse.ArgumentParser:
+    """The parser; given the `kind` on the command line, its --help lists that kind's flags and the shared ones
+    (the other kind's are still parsed, to be refused by name: `check_args`)."""
     p = Parser(
         prog="python -m specdec.train", formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
         description="Train a draft model for a target; the result is a directory that `python -m specdec.run "
@@ -72,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--device", help="cpu, cuda or cuda:N (default: cuda when a GPU is present, else cpu); on a GPU the "
                          "training forwards run under bfloat16 autocast")
     add("--minutes", type=positive(float), help="training time budget; the step count is fitted to it "
-                                                "(default: small 12, feature 30)")
+                                                "(default: small 12, feature 30). Making the data comes before "
+                                                "it, the evaluation after")
     add("--steps", type=positive(int), help="fixed training step count (overrides --minutes: a deterministic run)")
     add("--seed", type=int, default=0, help="base seed (data order, initialisation, noise)")
     add("--batch", type=positive(int), help="sequences per training step (default: small 16, feature 8)")
@@ -164,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("-k", type=positive(int), default=5, help="draft tokens per speculative step (evaluation)")
     add("--new-tokens", type=positive(int), default=64, help="new tokens per evaluation prompt")
     add("--specbench-count", type=positive(int), default=48, help="SpecBench prompts used")
+    if kind in KINDS:
+        for group in p._action_groups:
+            if group.title.startswith(tuple(f"{other} only" for other in KINDS if other != kind)):
+                for action in group._group_actions:
+                    action.help = argparse.SUPPRESS
     return p
 
 
@@ -264,7 +272,7 @@ def check_small(parser, args) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
+    parser = build_parser(next((arg for arg in argv if arg in KINDS), None))
     args = parser.parse_args(argv)
     check_args(parser, args, argv)
     import torch
