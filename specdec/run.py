@@ -154,8 +154,8 @@ def run(args, sink: JsonlOutput | None = None) -> int:
         print(f"(batch-1 rows: the first {min(len(ids), BATCH1_PROMPTS)} prompts; every method warmed up before timing)")
     repeats = repeated_prompts(ids)
     if repeats and llm.suffix_store is not None and "suffix" in (llm.drafter, llm.lookup):
-        print(f"({repeats} of the prompts repeat an earlier one: suffix drafts from the answers this run already "
-              f"gave, as a server would; each timed run starts with an empty store)")
+        print(f"({repeats} of the prompts {'repeats' if repeats == 1 else 'repeat'} an earlier one: suffix drafts "
+              f"from the answers this run already gave, as a server would; each timed run starts with an empty store)")
     if args.metrics:
         write_metrics(args.metrics, [m for m, _ in rows])
     m = outputs.metrics

@@ -304,6 +304,20 @@ def test_a_lookups_printed_speed_up_comes_from_prompts_it_has_not_seen_answered(
             (m.proposed_drafts, m.accepted_drafts, m.steps), f"batch {batch}: drafted from answers it had seen"
 
 
+@pytest.mark.parametrize("store", ["16384", "0"])
+def test_prompts_that_repeat_are_said_to_draft_from_this_runs_answers(pair, capsys, store):
+    """A prompt given twice is drafted from its first answer by the suffix store within the run (what a server
+    would do): the summary says so, unless the store is off."""
+    from specdec.run import main
+
+    target, _, _ = pair
+    assert main(["--target", target, "--draft", "suffix", "--suffix-store-tokens", store, "--prompt", "w1 w2",
+                 "--prompt", "w3", "--prompt", "w1 w2", "--max-tokens", "4", "--no-compare-ar", "--no-progress",
+                 "--samples", "0"]) == 0
+    note = "(1 of the prompts repeats an earlier one: suffix drafts from the answers this run already gave"
+    assert (note in capsys.readouterr().out) == (store != "0")
+
+
 def test_one_prompt_is_decoded_at_batch_1_and_the_summary_counts_what_it_timed(pair, tmp_path, capsys, monkeypatch):
     """One request with the default --batch-size 8: the table says batch 1 (no second pair of rows repeating
     it) and the summary line "1 request"; auto k's calibration, which the progress bar sees, is named beside
