@@ -223,3 +223,19 @@ def test_the_legacy_command_of_the_shipped_pair_reads_as_a_specdec_train_command
     assert current_command(today) == today
     with pytest.raises(ValueError, match="no automatic translation"):
         current_command("python -m bench.default_pair --reuse-target t")
+
+
+def test_small_without_transformers_is_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    """Issue 44's walk: a fresh `pip install -e .` has no transformers, and `small` failed with a traceback."""
+    import importlib.util
+
+    from specdec.prompts import DEFAULT_TARGET
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *more: None if name == "transformers" else real(name, *more))
+    with pytest.raises(SystemExit):
+        main(["small", "--target", DEFAULT_TARGET, "--out", str(tmp_path / "d")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "transformers, which is not installed: pip install -e '.[train]'" in err[0], err
+    assert not (tmp_path / "d").exists()

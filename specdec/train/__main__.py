@@ -247,6 +247,11 @@ def check_args(parser, args, argv) -> None:
 
 
 def check_small(parser, args) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        parser.error("small builds its Llama models with transformers, which is not installed: "
+                     "pip install -e '.[train]'")
     if not args.stdlib.is_dir() and not args.data:
         parser.error(f"--stdlib {args.stdlib}: not a directory")
     if not 1 <= args.pool_prefix_min <= args.pool_prefix_max or args.pool_prefix_max + args.pool_new_tokens > args.ctx:
