@@ -103,8 +103,10 @@ def test_model_object_keeps_its_packing():
 
 @pytest.mark.parametrize("program, argv, words", [
     ("specdec.run", ["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
-    ("specdec.run", ["--num-speculative-tokens", "-3"], "argument -k/--num-speculative-tokens: must be 'auto' or an integer >= 1, got '-3'"),
-    ("specdec.run", ["--method", "fast"], "argument --method: invalid choice: 'fast' (choose from 'ar', 'eqspec', 'exspec', 'ragged')"),
+    ("specdec.run", ["--num-speculative-tokens", "-3"],
+     "argument -k/--num-speculative-tokens: must be 'auto' or an integer >= 1, got '-3'"),
+    ("specdec.run", ["--method", "fast"],
+     "argument --method: invalid choice: 'fast' (choose from 'ar', 'eqspec', 'exspec', 'ragged')"),
     ("specdec.serve", ["--port", "99999"], "argument --port: must be a TCP port, 0 to 65535, got 99999"),
     ("specdec.serve", ["-k", "0"], "argument -k/--num-speculative-tokens: must be 'auto' or an integer >= 1, got '0'"),
     ("specdec.train", ["feature", "--target", "x.gguf"], "the following arguments are required: --out"),

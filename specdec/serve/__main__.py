@@ -25,8 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on (0: any free one)")
-    p.add_argument("--served-model-name", help="the model name clients send and /v1/models lists (default: "
-                   f"the --target file or directory name without .gguf, or {DEFAULT_MODEL_NAME!r} for the embedded pair)")
+    p.add_argument("--served-model-name", help="the model name clients send and /v1/models lists (default: the "
+                   f"--target file or directory name without .gguf, or {DEFAULT_MODEL_NAME!r} for the embedded pair)")
     p.add_argument("--max-waiting", type=positive_int, default=64, help="requests that may wait for a batch row "
                    "(beyond --batch-size running ones); more are refused with 429 and Retry-After")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for /v1/chat/completions, "
