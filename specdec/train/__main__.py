@@ -246,11 +246,21 @@ def check_args(parser, args, argv) -> None:
         check_small(parser, args)
 
 
-def check_small(parser, args) -> None:
+def importable(module: str) -> bool:
     import importlib.util
 
-    if importlib.util.find_spec("transformers") is None:
-        parser.error("small builds its Llama models with transformers, which is not installed: "
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
+def check_small(parser, args) -> None:
+    absent = [name for name, module in (("transformers", "transformers"), ("protobuf", "google.protobuf"))
+              if not importable(module)]
+    if absent:  # else the run fails when it saves the draft, after its pool and its training
+        parser.error(f"small builds and saves its Llama models with transformers and protobuf; "
+                     f"{' and '.join(absent)} {'is' if len(absent) == 1 else 'are'} not installed: "
                      "pip install -e '.[train]'")
     if not args.stdlib.is_dir() and not args.data:
         parser.error(f"--stdlib {args.stdlib}: not a directory")
