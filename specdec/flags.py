@@ -16,6 +16,14 @@ LOOKUPS = ("ngram", "suffix")
 METHODS = ("ar", "eqspec", "exspec", "ragged")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser with a refusal of one line, `PROG: error: MESSAGE (PROG --help lists the flags)`, exit 2:
+    argparse's own prints its usage block first (26 lines for specdec.run), burying the line that matters."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -30,13 +38,21 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def port_number(text: str) -> int:
+    """A TCP port: 0 (any free one) to 65535."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, got {value}")
+    return value
+
+
 def k_value(text: str):
     """-k: "auto" or an int >= 1."""
     if text.strip().lower() == "auto":
         return "auto"
     try:
         return positive_int(text)
-    except ValueError:
+    except (ValueError, argparse.ArgumentTypeError):
         raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {text!r}") from None
 
 
@@ -91,9 +107,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str = "rows dec
                    "ragged = per-row offsets, never realign")
     p.add_argument("--batch-size", type=positive_int, default=8, help=batch_help)
     p.add_argument("-k", "--num-speculative-tokens", type=k_value, default="auto", help="draft tokens per step: "
-                   "'auto' chooses k in 0..--max-speculative-tokens every step from costs measured on this machine "
-                   "(cached under ~/.cache/specdec) and each request's acceptance (0 = a step without the draft); "
-                   "or a fixed integer")
+                   "'auto' chooses k every step, from 0 (a step of the target alone) to --max-speculative-tokens, "
+                   "from costs measured on this machine (cached under ~/.cache/specdec) and each request's "
+                   "acceptance; or a fixed integer >= 1 (no draft at all: --method ar)")
     p.add_argument("--max-speculative-tokens", type=positive_int, default=8, help="the largest k that -k auto may "
                    "choose")
     p.add_argument("--window-size", type=positive_int, default=48, help="exspec: pool of live sequences")

@@ -283,7 +283,8 @@ class LLM:
         need = positions_needed(len(ids), params.max_tokens, self.options.k_max)
         if need > self.max_context:
             raise ValueError(
-                f"{name} has {len(ids)} tokens; with max_tokens={params.max_tokens} and k={self.options.k_max} "
+                f"{name} has {len(ids)} token{'' if len(ids) == 1 else 's'}; with max_tokens={params.max_tokens} and "
+                f"k={self.options.k_max} "
                 f"it needs {need} positions but the model context is {self.max_context}")
 
     def prompt_ids(self, prompt, name: str = "prompt") -> list[int]:
