@@ -168,6 +168,7 @@ class Workspace:
     def __init__(self):
         self.buffers: dict[str, torch.Tensor] = {}
         self.views: dict[str, tuple] = {}  # name -> (request, view) of the last request
+        self.owner = None  # the torch path's layout whose views and zeros the buffers hold now (`_Layout`)
 
     def get(self, name: str, shape, dtype, device, layout=None) -> tuple[torch.Tensor, bool]:
         """A `shape` view of buffer `name`, and whether the request (shape, dtype, device, `layout`: what the
@@ -186,49 +187,155 @@ class Workspace:
 
 
 class ChunkPlan(NamedTuple):
-    """Which cache columns the torch reference reads, and what each padded query row may see; the same for
-    every layer of a forward (`chunk_plan`)."""
+    """What the torch path needs from the mask, the same for every layer of a forward (`chunk_plan`): which
+    cache columns each row's chunks hold, what each padded query row may see, and the buffers' views
+    (`_Layout`, built by the forward's first layer, once per head size and dtype)."""
 
-    rows_index: torch.Tensor  # [B * H_kv * NC * chunk] row of the cache viewed as [B * H_kv * C, D] to read
-    hidden: torch.Tensor  # [B, 1, NC, Rp, chunk] bool, query row g * T + t may NOT see the key (padding rows: all)
+    columns: torch.Tensor  # [B, NCW] cache column of each row's key c * chunk + j, clamped to W - 1
+    hidden: torch.Tensor  # [B, 1, NC, Rp, chunk] bool, query row g * T + t may NOT see the key (padding rows,
+    #                       whose results are dropped: none, so that every row has a finite maximum)
     chunks: int  # NC
     rows: int  # R = G * T real query rows per (row, KV head)
-    workspace: Workspace | None = None  # None: fresh temporaries
+    workspace: Workspace | None = None  # the buffers (a plan of its own when the caller has none)
+    width: int = 0  # W, the mask's columns
+    from_zero: bool = False  # every row's first key is column 0: chunk c is columns c * chunk.. of the cache
+    blind: bool = True  # some real query sees no key (its maximum and its total need the clamps)
+    layouts: dict | None = None  # (D, accumulation dtype, device) -> _Layout
 
 
 def chunk_plan(mask, first, group: int, kv_heads: int, capacity: int, chunk: int = CHUNK,
                workspace: Workspace | None = None) -> ChunkPlan:
-    """The reference's gather index and visibility for mask [B, T, W], first [B], `group` query heads per
-    KV head and caches [B, kv_heads, capacity, D]."""
+    """The torch path's per-forward work for mask [B, T, W], first [B], `group` query heads per KV head and
+    caches [B, kv_heads, capacity, D]: each row's chunk columns, the visibility of every padded query row,
+    and (on the CPU, read once here) whether every first key is column 0 and whether a real query is blind."""
     B, T, W = mask.shape
     NC = max(1, cdiv(W, chunk))  # enough for any row (first >= 0); surplus chunks are no-ops
     R = group * T
     Rp = padded_rows(R)
     span = torch.arange(NC * chunk, device=mask.device)  # [NCW]
-    index = first[:, None] + span[None, :]  # [B, NCW] cache column of the row's key c * chunk + j
-    inside = index < W  # [B, NCW]
-    index = index.clamp(max=max(W - 1, 0))
-    visible = mask.gather(2, index[:, None, :].expand(B, T, NC * chunk)) & inside[:, None, :]  # [B, T, NCW]
-    seen = torch.zeros(B, 1, NC, Rp, chunk, dtype=torch.bool, device=mask.device)
+    columns = first[:, None] + span[None, :]  # [B, NCW] cache column of the row's key c * chunk + j
+    inside = columns < W  # [B, NCW]
+    columns = columns.clamp(max=max(W - 1, 0))
+    visible = mask.gather(2, columns[:, None, :].expand(B, T, NC * chunk)) & inside[:, None, :]  # [B, T, NCW]
+    seen = torch.ones(B, 1, NC, Rp, chunk, dtype=torch.bool, device=mask.device)  # padding rows see every key
     seen[:, :, :, :R] = visible.view(B, 1, 1, T, NC, chunk).permute(0, 1, 4, 2, 3, 5).expand(
         B, 1, NC, group, T, chunk).reshape(B, 1, NC, R, chunk)  # row g * T + t sees what query t sees
-    heads = torch.arange(B * kv_heads, device=mask.device).view(B, kv_heads, 1)  # [B, H_kv, 1] = b * H_kv + h
-    rows_index = (heads * capacity + index[:, None, :]).reshape(-1)  # [B * H_kv * NCW]
-    return ChunkPlan(rows_index, ~seen, NC, R, workspace)
+    from_zero, blind = False, True
+    if mask.device.type == "cpu" and not torch.compiler.is_compiling():  # host reads: free on the CPU
+        from_zero = not bool(first.any())
+        blind = not bool(visible.any(dim=-1).all())
+    return ChunkPlan(columns, ~seen, NC, R, workspace if workspace is not None else Workspace(), W, from_zero,
+                     blind, {})
+
+
+def _kv_pair(k_cache, v_cache, W: int):
+    """k_cache/v_cache [B, H_kv, C, D] as one view [2, B, H_kv, W, D] of their first W columns, when they are
+    two views of one tensor of the same strides with V after K (the model's layer cache [2, B, H_kv, C, D]:
+    one copy then stages both); else None."""
+    if k_cache.stride() != v_cache.stride() or k_cache.device.type != "cpu":
+        return None
+    apart = v_cache.storage_offset() - k_cache.storage_offset()
+    if apart <= 0 or k_cache.untyped_storage().data_ptr() != v_cache.untyped_storage().data_ptr():
+        return None
+    B, Hkv, _, D = k_cache.shape
+    return k_cache.as_strided((2, B, Hkv, W, D), (apart, *k_cache.stride()))
+
+
+class _Layout:
+    """The torch path's buffers of one plan, head size and dtype, and every view of them a layer uses, made
+    once per forward (views of workspace buffers: a layer then runs no view ops of its own). Holds the
+    workspace (`Workspace.owner`) while it is current; another layout taking the buffers makes it stale.
+
+    The staged keys and values: one buffer, K's Bm matrices [chunk, D] then (at a 64-byte aligned offset) V's
+    Bt; matrix (b, h, c) holds the row's keys c * chunk .. (c + 1) * chunk - 1. Columns past W, the padding
+    matrix (Bm > Bt) and the gap stay zero from `claim` (hidden keys: their scores are masked, their
+    probabilities exact zeros)."""
+
+    def __init__(self, plan: ChunkPlan, B: int, Hkv: int, T: int, D: int, acc, device, chunk: int):
+        NC, R, W = plan.chunks, plan.rows, plan.width
+        Rp = plan.hidden.shape[3]
+        G = R // T
+        Bt = B * Hkv * NC  # one [chunk]-key matmul per (row, KV head, chunk)
+        Bm = max(Bt, 2)  # a batch of one matrix with a transposed operand takes another MKL path (measured): pad
+        self.ws = ws = plan.workspace
+        per_row = max(1, ALIGN_BYTES // math.gcd(ALIGN_BYTES, D * torch.finfo(acc).bits // 8))  # rows per aligned step
+        v_row = cdiv(Bm * chunk, per_row) * per_row  # V's first row in the staged buffer: 64-byte aligned
+        total = v_row + Bt * chunk  # rows of the staged buffer
+        staged = ws.get("bi_kv", (total, D), acc, device)[0]  # [total, D]
+        self.keys_t = staged[: Bm * chunk].view(Bm, chunk, D).transpose(1, 2)  # [Bm, D, chunk] K^T, a view
+        self.values = staged[v_row:].view(Bt, chunk, D)  # [Bt, chunk, D]
+        self.staged = staged
+        NCW = NC * chunk
+        if plan.from_zero:  # the cache's first W columns go to their chunks by one strided copy
+            strides = (v_row * D, Hkv * NCW * D, NCW * D, D, 1)
+            self.dest = staged.as_strided((2, B, Hkv, W, D), strides)
+            self.tail = (staged.as_strided((2, B, Hkv, NCW - W, D), strides, staged.storage_offset() + W * D)
+                         if NCW > W else None)
+            self.pad_rows = slice(Bt * chunk, v_row)
+            self.stage = self.gather = None
+        else:  # staged [2, B, H_kv, W, D] (and a zero row), then gathered from each row's first key
+            stage = ws.get("bi_stage", (2 * B * Hkv * W + 1, D), acc, device)[0]  # [2 B H_kv W + 1, D]
+            self.stage = stage
+            self.dest = stage[:-1].view(2, B, Hkv, W, D)
+            heads = torch.arange(2 * B * Hkv, device=device).view(2, B, Hkv, 1) * W  # [2, B, H_kv, 1]
+            rows = (heads + plan.columns.view(1, B, 1, NCW)).view(2, B * Hkv * NCW)  # [2, Bt chunk]
+            zero = torch.full((1,), 2 * B * Hkv * W, dtype=rows.dtype, device=device)  # the zero row
+            self.gather = torch.cat([rows[0], zero.expand(v_row - Bt * chunk), rows[1]])  # [total]
+        self.rows = ws.get("bi_rows", (Bm, Rp, D), acc, device)[0]  # query rows, padded, once per chunk
+        self.rows_dest = self.rows[:Bt].view(B, Hkv, NC, Rp, D)[:, :, :, :R].view(B, Hkv, NC, G, T, D)
+        self.scale = torch.full((1, 1, NC, 1, 1, 1), 1.0 / math.sqrt(D), dtype=acc, device=device)
+        self.scores = ws.get("bi_scores", (Bm, Rp, chunk), acc, device)[0]  # [Bm, Rp, chunk]
+        self.scores5 = self.scores[:Bt].view(B, Hkv, NC, Rp, chunk)
+        self.probs = self.scores[:Bt]  # [Bt, Rp, chunk], in place of the scores
+        top = ws.get("bi_top", (B, Hkv, 1, Rp), acc, device)[0]
+        self.top, self.top5 = top, top.view(B, Hkv, 1, Rp, 1)
+        self.chunk_max = ws.get("bi_chunk_max", (B, Hkv, NC, Rp), acc, device)[0] if NC > 1 else None
+        self.sums = ws.get("bi_sums", (B, Hkv, NC, Rp), acc, device)[0]  # one fixed-length sum per chunk
+        self.parts = ws.get("bi_parts", (Bt, Rp, D), acc, device)[0]  # [Bt, Rp, D]
+        parts5 = self.parts.view(B, Hkv, NC, Rp, D)
+        self.parts5 = parts5
+        if NC > 1:  # chunks added in order (cumsum is a sequential scan)
+            self.added = ws.get("bi_added", (B, Hkv, NC, Rp, D), acc, device)[0]
+            self.totals = ws.get("bi_totals", (B, Hkv, NC, Rp), acc, device)[0]
+            self.num, self.den = self.added[:, :, -1, :R], self.totals[:, :, -1, :R, None]  # [B, H_kv, R, D|1]
+        else:  # one chunk: its sums are the totals
+            self.num, self.den = parts5[:, :, 0, :R], self.sums[:, :, 0, :R, None]
+        self.claim()
+
+    def claim(self):
+        """Zero what must stay zero (the padding rows and matrix, the gap, columns past W) and hold the workspace."""
+        self.rows.zero_()
+        if self.stage is not None:  # the gather writes every staged row: only its zero row
+            self.stage[-1].zero_()
+        else:
+            self.staged[self.pad_rows].zero_()  # K's padding matrix and the gap before V
+            if self.tail is not None:
+                self.tail.zero_()  # columns W .. NCW - 1 of every (K/V, row, KV head)
+        self.ws.owner = self
+
+
+ALIGN_BYTES = 64  # the staged V starts at a multiple of this (as a buffer of its own would: the allocator's)
 
 
 def bi_attention_reference(q, k_cache, v_cache, mask, first, plan: ChunkPlan | None = None, chunk: int = CHUNK):
-    """Torch reference; shapes as in `bi_attention`. Returns [B, H, T, D] in q's dtype."""
+    """Torch path (what runs on the CPU); shapes as in `bi_attention`. Returns [B, H, T, D] in q's dtype.
+
+    Per layer, with the plan's views made once per forward: stage the keys and values (one strided copy from
+    the cache when every row starts at column 0, else a copy and a gather), scaled query rows into the padded
+    buffer (one op, which also casts), scores by one `bmm`, mask, the row maximum (two exact reductions),
+    `exp`, fixed-length chunk sums, p @ V by a second `bmm`, chunks added in order (`cumsum`), divide."""
     B, H, T, D = q.shape
     _, Hkv, C, _ = k_cache.shape
     G = H // Hkv  # query heads per KV head (head h reads KV head h // G)
     if plan is None:
         plan = chunk_plan(mask, first, G, Hkv, C, chunk)
-    NC, R = plan.chunks, plan.rows
-    Rp = plan.hidden.shape[3]
-    Bt = B * Hkv * NC  # one [chunk]-key matmul per (row, KV head, chunk)
     acc = _accumulation_dtype(q.dtype)
-    ws = plan.workspace
+    key = (D, acc, q.device, B, Hkv, T, chunk)
+    lay = plan.layouts.get(key)
+    if lay is None:
+        lay = plan.layouts[key] = _Layout(plan, B, Hkv, T, D, acc, q.device, chunk)
+    elif plan.workspace.owner is not lay:  # another plan used the buffers since
+        lay.claim()
     bmm = bounded_bmm
     # is_compiling first: torch.compile cannot trace get_num_threads (a compiled graph keeps the caller's threads)
     if q.device.type == "cpu" and not torch.compiler.is_compiling():
@@ -236,43 +343,38 @@ def bi_attention_reference(q, k_cache, v_cache, mask, first, plan: ChunkPlan | N
         how = bmm_plan(acc, threads, D, chunk)
         if how.threads != threads or how.block is not None:  # this CPU's bmm changes rows with the call
             bmm = functools.partial(_bmm, how)
-
-    def buffer(name, shape, dtype, layout=None):  # (view, new layout: padding not zeroed yet)
-        if ws is None:
-            return torch.zeros(shape, dtype=dtype, device=q.device), True
-        return ws.get(name, shape, dtype, q.device, layout)
-
-    Bm = max(Bt, 2)  # a batch of one matrix with a transposed operand takes another MKL path (measured): pad
-    picked_k, new = buffer("picked_k", (Bm * chunk, D), k_cache.dtype, layout=Bt)  # rows' keys from their first
-    if new and Bm > Bt:
-        picked_k[Bt * chunk:] = 0
-    torch.index_select(k_cache.reshape(B * Hkv * C, D), 0, plan.rows_index,
-                       out=picked_k if Bm == Bt else picked_k[: Bt * chunk])
-    picked_v, _ = buffer("picked_v", (Bt * chunk, D), v_cache.dtype)
-    torch.index_select(v_cache.reshape(B * Hkv * C, D), 0, plan.rows_index, out=picked_v)
-    keys, values = picked_k.view(Bm, chunk, D), picked_v.view(Bt, chunk, D)
-    if keys.dtype != acc:
-        keys = buffer("keys", (Bm, chunk, D), acc)[0].copy_(keys)  # [Bm, chunk, D]
-        values = buffer("values", (Bt, chunk, D), acc)[0].copy_(values)  # [Bt, chunk, D]
-    rows, new = buffer("rows", (Bm, Rp, D), acc, layout=(Bt, R))  # query rows, padded, once per chunk
-    if new:  # rows R.. and matrices Bt.. stay zero for as long as this layout is reused
-        rows.zero_()
-    scaled = (q.to(acc) * (1.0 / math.sqrt(D))).reshape(B, Hkv, 1, R, D)  # row g*T+t: query head kv*G+g, query t
-    rows[:Bt].view(B, Hkv, NC, Rp, D)[:, :, :, :R] = scaled
-    scores, _ = buffer("scores", (Bm, Rp, chunk), acc)
-    bmm(rows, keys.transpose(1, 2), scores)  # [Bm, Rp, chunk]: K^T as a view, never copied
-    scores = scores[:Bt].view(B, Hkv, NC, Rp, chunk).masked_fill_(plan.hidden, float("-inf"))
-    top = scores.amax(dim=(2, 4), keepdim=True)  # [B, H_kv, 1, Rp, 1] exact in any order
-    top.clamp_(min=torch.finfo(acc).min)  # finite for rows with no visible key (their scores stay -inf)
-    probs = scores.sub_(top).exp_()  # [B, H_kv, NC, Rp, chunk], in place of the scores; 0 where hidden
-    sums = probs.sum(dim=-1)  # [B, H_kv, NC, Rp], one fixed-length sum per chunk
-    parts, _ = buffer("parts", (Bt, Rp, D), acc)
-    bmm(probs.view(Bt, Rp, chunk), values, parts)  # [Bt, Rp, D]
-    # chunks added in order (cumsum is a sequential scan: one fixed order for every row)
-    total = sums.cumsum(dim=2)[:, :, -1]  # [B, H_kv, Rp]
-    out = parts.view(B, Hkv, NC, Rp, D).cumsum(dim=2)[:, :, -1]  # [B, H_kv, Rp, D], fresh: not a buffer
-    out = out / total[..., None].clamp_min(torch.finfo(acc).tiny)  # rows with no visible key: 0 / tiny = 0
-    return out[:, :, :R].reshape(B, H, T, D).to(q.dtype)
+    W = plan.width
+    pair = _kv_pair(k_cache, v_cache, W)
+    if pair is not None:
+        lay.dest.copy_(pair)  # K and V of every row, cast to the accumulation dtype
+    else:
+        lay.dest[0].copy_(k_cache[:, :, :W])
+        lay.dest[1].copy_(v_cache[:, :, :W])
+    if lay.gather is not None:
+        torch.index_select(lay.stage, 0, lay.gather, out=lay.staged)  # each row's chunks from its first key
+    # row g * T + t of (b, kv, c): query t of head kv * G + g, scaled (in the accumulation dtype: the scale
+    # tensor's dtype wins the promotion), the same for every chunk
+    torch.mul(q.view(B, Hkv, 1, G, T, D), lay.scale, out=lay.rows_dest)
+    bmm(lay.rows, lay.keys_t, lay.scores)  # [Bm, Rp, chunk]: K^T a view, never copied
+    scores = lay.scores5.masked_fill_(plan.hidden, float("-inf"))  # [B, H_kv, NC, Rp, chunk]
+    if lay.chunk_max is None:
+        torch.amax(scores, dim=-1, keepdim=True, out=lay.top5)  # exact in any order
+    else:
+        torch.amax(torch.amax(scores, dim=-1, out=lay.chunk_max), dim=2, keepdim=True, out=lay.top)
+    if plan.blind:
+        lay.top.clamp_(min=torch.finfo(acc).min)  # finite for rows with no visible key (their scores stay -inf)
+    scores.sub_(lay.top5).exp_()  # probabilities in place of the scores; 0 where hidden
+    torch.sum(scores, dim=-1, out=lay.sums)  # [B, H_kv, NC, Rp], one fixed-length sum per chunk
+    bmm(lay.probs, lay.values, lay.parts)  # [Bt, Rp, D]
+    if lay.chunk_max is not None:  # chunks added in order (cumsum is a sequential scan: one order for every row)
+        torch.cumsum(lay.parts5, dim=2, out=lay.added)
+        torch.cumsum(lay.sums, dim=2, out=lay.totals)
+    if plan.blind:
+        lay.den.clamp_min_(torch.finfo(acc).tiny)  # rows with no visible key: 0 / tiny = 0
+    out = torch.div(lay.num, lay.den)  # [B, H_kv, R, D], fresh
+    if out.dtype != q.dtype:
+        out = out.to(q.dtype)
+    return out.view(B, H, T, D)
 
 
 def bi_attention(q, k_cache, v_cache, mask, first=None, plan: ChunkPlan | None = None, backend: str | None = None):
