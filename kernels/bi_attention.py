@@ -37,6 +37,7 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from .bi_matmul import BLOCK_ROWS, RowPlan, padded_rows
 from .dispatch import cdiv, check, choose_backend, interpreting, lazy_jit, next_power_of_2, num_threads
@@ -168,7 +169,8 @@ class Workspace:
     def __init__(self):
         self.buffers: dict[str, torch.Tensor] = {}
         self.views: dict[str, tuple] = {}  # name -> (request, view) of the last request
-        self.owner = None  # the torch path's layout whose views and zeros the buffers hold now (`_Layout`)
+        self.owner = None  # the torch path's `_Layout` whose zeros the buffers hold now
+        self.kept: dict = {}  # the torch path's `_Buffers` by shape, views of these buffers (at most KEPT_SHAPES)
 
     def get(self, name: str, shape, dtype, device, layout=None) -> tuple[torch.Tensor, bool]:
         """A `shape` view of buffer `name`, and whether the request (shape, dtype, device, `layout`: what the
@@ -187,155 +189,193 @@ class Workspace:
 
 
 class ChunkPlan(NamedTuple):
-    """What the torch path needs from the mask, the same for every layer of a forward (`chunk_plan`): which
-    cache columns each row's chunks hold, what each padded query row may see, and the buffers' views
-    (`_Layout`, built by the forward's first layer, once per head size and dtype)."""
+    """What the torch path needs from the mask, the same for every layer of a forward (`chunk_plan`)."""
 
-    columns: torch.Tensor  # [B, NCW] cache column of each row's key c * chunk + j, clamped to W - 1
-    hidden: torch.Tensor  # [B, 1, NC, Rp, chunk] bool, query row g * T + t may NOT see the key (padding rows,
-    #                       whose results are dropped: none, so that every row has a finite maximum)
+    hidden: torch.Tensor  # [B, 1, NC, Rp or 1, chunk] bool: query row g * T + t may NOT see the row's key
+    #                       c * chunk + j (padding rows see every key; with T = 1 one row stands for all)
     chunks: int  # NC
     rows: int  # R = G * T real query rows per (row, KV head)
-    workspace: Workspace | None = None  # the buffers (a plan of its own when the caller has none)
+    workspace: Workspace | None = None  # the buffers (one of the plan's own when the caller has none)
+    first: torch.Tensor | None = None  # [B] each row's first key column
     width: int = 0  # W, the mask's columns
     from_zero: bool = False  # every row's first key is column 0: chunk c is columns c * chunk.. of the cache
     blind: bool = True  # some real query sees no key (its maximum and its total need the clamps)
-    layouts: dict | None = None  # (D, accumulation dtype, device) -> _Layout
+    masked_from: int = 0  # the first chunk where some query row may not see some key (NC: none, no masking)
+    layouts: dict | None = None  # (D, accumulation dtype, device, chunk) -> the forward's `_Layout`
 
 
 def chunk_plan(mask, first, group: int, kv_heads: int, capacity: int, chunk: int = CHUNK,
                workspace: Workspace | None = None) -> ChunkPlan:
     """The torch path's per-forward work for mask [B, T, W], first [B], `group` query heads per KV head and
-    caches [B, kv_heads, capacity, D]: each row's chunk columns, the visibility of every padded query row,
-    and (on the CPU, read once here) whether every first key is column 0 and whether a real query is blind."""
+    caches [B, kv_heads, capacity, D]: the visibility of every padded query row in its row's chunks and, on
+    the CPU (one host read), whether every first key is column 0, whether a real query sees no key, and the
+    first chunk that hides a key from a query row."""
     B, T, W = mask.shape
     NC = max(1, cdiv(W, chunk))  # enough for any row (first >= 0); surplus chunks are no-ops
+    NCW = NC * chunk
     R = group * T
-    Rp = padded_rows(R)
-    span = torch.arange(NC * chunk, device=mask.device)  # [NCW]
-    columns = first[:, None] + span[None, :]  # [B, NCW] cache column of the row's key c * chunk + j
-    inside = columns < W  # [B, NCW]
-    columns = columns.clamp(max=max(W - 1, 0))
-    visible = mask.gather(2, columns[:, None, :].expand(B, T, NC * chunk)) & inside[:, None, :]  # [B, T, NCW]
-    seen = torch.ones(B, 1, NC, Rp, chunk, dtype=torch.bool, device=mask.device)  # padding rows see every key
-    seen[:, :, :, :R] = visible.view(B, 1, 1, T, NC, chunk).permute(0, 1, 4, 2, 3, 5).expand(
-        B, 1, NC, group, T, chunk).reshape(B, 1, NC, R, chunk)  # row g * T + t sees what query t sees
-    from_zero, blind = False, True
-    if mask.device.type == "cpu" and not torch.compiler.is_compiling():  # host reads: free on the CPU
-        from_zero = not bool(first.any())
-        blind = not bool(visible.any(dim=-1).all())
-    return ChunkPlan(columns, ~seen, NC, R, workspace if workspace is not None else Workspace(), W, from_zero,
-                     blind, {})
+    span = torch.arange(NCW, device=mask.device)  # [NCW]
+    columns = first[:, None] + span  # [B, NCW] column of the row's key c * chunk + j (past W: hidden)
+    blocked = ~F.pad(mask, (0, NCW)).gather(2, columns[:, None, :].expand(B, T, NCW))  # [B, T, NCW]
+    if T == 1:  # every query row of a (row, KV head) sees what the row's one query sees
+        hidden = blocked.view(B, 1, NC, 1, chunk)
+    else:
+        Rp = padded_rows(R)
+        hidden = torch.zeros(B, 1, NC, Rp, chunk, dtype=torch.bool, device=mask.device)  # padding rows: none
+        hidden[:, :, :, :R].view(B, 1, NC, group, T, chunk).copy_(
+            blocked.view(B, 1, T, NC, chunk).transpose(2, 3)[:, :, :, None])  # row g * T + t: query t's
+    from_zero, blind, masked_from = False, True, 0
+    if mask.device.type == "cpu" and not torch.compiler.is_compiling():  # one host read: free on the CPU
+        facts = torch.cat([blocked.view(B * T, NC, chunk).any(dim=2).any(dim=0), blocked.all(dim=2).any().view(1),
+                           first.any().view(1)]).tolist()
+        masked_from = next((c for c in range(NC) if facts[c]), NC)  # chunks before it hide nothing
+        blind, from_zero = facts[NC], not facts[NC + 1]
+    return ChunkPlan(hidden, NC, R, workspace if workspace is not None else Workspace(), first, W, from_zero,
+                     blind, masked_from, {})
 
 
 def _kv_pair(k_cache, v_cache, W: int):
     """k_cache/v_cache [B, H_kv, C, D] as one view [2, B, H_kv, W, D] of their first W columns, when they are
     two views of one tensor of the same strides with V after K (the model's layer cache [2, B, H_kv, C, D]:
     one copy then stages both); else None."""
-    if k_cache.stride() != v_cache.stride() or k_cache.device.type != "cpu":
+    base = k_cache._base  # views of one tensor share its storage
+    if base is None or base is not v_cache._base or k_cache.stride() != v_cache.stride():
         return None
     apart = v_cache.storage_offset() - k_cache.storage_offset()
-    if apart <= 0 or k_cache.untyped_storage().data_ptr() != v_cache.untyped_storage().data_ptr():
+    if apart <= 0:
         return None
     B, Hkv, _, D = k_cache.shape
     return k_cache.as_strided((2, B, Hkv, W, D), (apart, *k_cache.stride()))
 
 
-class _Layout:
-    """The torch path's buffers of one plan, head size and dtype, and every view of them a layer uses, made
-    once per forward (views of workspace buffers: a layer then runs no view ops of its own). Holds the
-    workspace (`Workspace.owner`) while it is current; another layout taking the buffers makes it stale.
+ALIGN_BYTES = 64  # the staged V starts at a multiple of this (as a buffer of its own would: the allocator's)
+KEPT_SHAPES = 4  # `_Buffers` a workspace keeps (decode and verify steps of a few batch sizes and context chunks)
 
-    The staged keys and values: one buffer, K's Bm matrices [chunk, D] then (at a 64-byte aligned offset) V's
-    Bt; matrix (b, h, c) holds the row's keys c * chunk .. (c + 1) * chunk - 1. Columns past W, the padding
-    matrix (Bm > Bt) and the gap stay zero from `claim` (hidden keys: their scores are masked, their
-    probabilities exact zeros)."""
 
-    def __init__(self, plan: ChunkPlan, B: int, Hkv: int, T: int, D: int, acc, device, chunk: int):
-        NC, R, W = plan.chunks, plan.rows, plan.width
-        Rp = plan.hidden.shape[3]
+class _Buffers:
+    """The torch path's buffers for one (B, H_kv, T, NC, D, dtype, chunk) and every view of them a layer uses
+    (made once: a layer then runs no view ops of its own), kept by the workspace across forwards.
+
+    Staged keys and values: one buffer, K's Bm matrices [chunk, D] then, at a 64-byte aligned row, V's Bt;
+    matrix (b, h, c) holds the row's keys c * chunk .. (c + 1) * chunk - 1. The padding matrix (Bm > Bt),
+    the gap before V and the padding query rows are zeroed when the buffers are taken (`_layout`): they only
+    reach results that are dropped (a product's rows and matrices are computed apart), so zeros are not for
+    the bits but to keep NaN and subnormal junk out of the arithmetic. The zeros that the bits need are the
+    columns past W (`_Layout.tail`): their probabilities are exact zeros, and 0 * NaN would not be."""
+
+    NAMES = ("bi_kv", "bi_rows", "bi_scores", "bi_top", "bi_sums", "bi_parts", "bi_added", "bi_totals")
+
+    def __init__(self, ws: Workspace, B, Hkv, T, NC, R, D, acc, device, chunk):
+        Rp = padded_rows(R)
         G = R // T
         Bt = B * Hkv * NC  # one [chunk]-key matmul per (row, KV head, chunk)
         Bm = max(Bt, 2)  # a batch of one matrix with a transposed operand takes another MKL path (measured): pad
-        self.ws = ws = plan.workspace
-        per_row = max(1, ALIGN_BYTES // math.gcd(ALIGN_BYTES, D * torch.finfo(acc).bits // 8))  # rows per aligned step
-        v_row = cdiv(Bm * chunk, per_row) * per_row  # V's first row in the staged buffer: 64-byte aligned
-        total = v_row + Bt * chunk  # rows of the staged buffer
-        staged = ws.get("bi_kv", (total, D), acc, device)[0]  # [total, D]
+        per_row = ALIGN_BYTES // math.gcd(ALIGN_BYTES, D * torch.finfo(acc).bits // 8)  # rows per aligned step
+        self.v_row = v_row = cdiv(Bm * chunk, per_row) * per_row  # V's first row: 64-byte aligned
+        self.shape = (B, Hkv, NC, chunk, D, Bt)
+        self.staged = staged = ws.get("bi_kv", (v_row + Bt * chunk, D), acc, device)[0]  # [rows, D]
         self.keys_t = staged[: Bm * chunk].view(Bm, chunk, D).transpose(1, 2)  # [Bm, D, chunk] K^T, a view
         self.values = staged[v_row:].view(Bt, chunk, D)  # [Bt, chunk, D]
-        self.staged = staged
-        NCW = NC * chunk
-        if plan.from_zero:  # the cache's first W columns go to their chunks by one strided copy
-            strides = (v_row * D, Hkv * NCW * D, NCW * D, D, 1)
-            self.dest = staged.as_strided((2, B, Hkv, W, D), strides)
-            self.tail = (staged.as_strided((2, B, Hkv, NCW - W, D), strides, staged.storage_offset() + W * D)
-                         if NCW > W else None)
-            self.pad_rows = slice(Bt * chunk, v_row)
-            self.stage = self.gather = None
-        else:  # staged [2, B, H_kv, W, D] (and a zero row), then gathered from each row's first key
-            stage = ws.get("bi_stage", (2 * B * Hkv * W + 1, D), acc, device)[0]  # [2 B H_kv W + 1, D]
-            self.stage = stage
-            self.dest = stage[:-1].view(2, B, Hkv, W, D)
-            heads = torch.arange(2 * B * Hkv, device=device).view(2, B, Hkv, 1) * W  # [2, B, H_kv, 1]
-            rows = (heads + plan.columns.view(1, B, 1, NCW)).view(2, B * Hkv * NCW)  # [2, Bt chunk]
-            zero = torch.full((1,), 2 * B * Hkv * W, dtype=rows.dtype, device=device)  # the zero row
-            self.gather = torch.cat([rows[0], zero.expand(v_row - Bt * chunk), rows[1]])  # [total]
+        self.gap = staged[Bt * chunk: v_row]  # K's padding matrix and the gap before V
         self.rows = ws.get("bi_rows", (Bm, Rp, D), acc, device)[0]  # query rows, padded, once per chunk
         self.rows_dest = self.rows[:Bt].view(B, Hkv, NC, Rp, D)[:, :, :, :R].view(B, Hkv, NC, G, T, D)
         self.scale = torch.full((1, 1, NC, 1, 1, 1), 1.0 / math.sqrt(D), dtype=acc, device=device)
         self.scores = ws.get("bi_scores", (Bm, Rp, chunk), acc, device)[0]  # [Bm, Rp, chunk]
         self.scores5 = self.scores[:Bt].view(B, Hkv, NC, Rp, chunk)
         self.probs = self.scores[:Bt]  # [Bt, Rp, chunk], in place of the scores
-        top = ws.get("bi_top", (B, Hkv, 1, Rp), acc, device)[0]
-        self.top, self.top5 = top, top.view(B, Hkv, 1, Rp, 1)
-        self.chunk_max = ws.get("bi_chunk_max", (B, Hkv, NC, Rp), acc, device)[0] if NC > 1 else None
+        self.top = ws.get("bi_top", (B, Hkv, 1, Rp, 1), acc, device)[0]  # [B, H_kv, 1, Rp, 1] row maxima
         self.sums = ws.get("bi_sums", (B, Hkv, NC, Rp), acc, device)[0]  # one fixed-length sum per chunk
         self.parts = ws.get("bi_parts", (Bt, Rp, D), acc, device)[0]  # [Bt, Rp, D]
-        parts5 = self.parts.view(B, Hkv, NC, Rp, D)
-        self.parts5 = parts5
+        self.parts5 = self.parts.view(B, Hkv, NC, Rp, D)
         if NC > 1:  # chunks added in order (cumsum is a sequential scan)
             self.added = ws.get("bi_added", (B, Hkv, NC, Rp, D), acc, device)[0]
             self.totals = ws.get("bi_totals", (B, Hkv, NC, Rp), acc, device)[0]
             self.num, self.den = self.added[:, :, -1, :R], self.totals[:, :, -1, :R, None]  # [B, H_kv, R, D|1]
         else:  # one chunk: its sums are the totals
-            self.num, self.den = parts5[:, :, 0, :R], self.sums[:, :, 0, :R, None]
-        self.claim()
+            self.num, self.den = self.parts5[:, :, 0, :R], self.sums[:, :, 0, :R, None]
+        self.held = {name: ws.buffers[name] for name in self.NAMES if name in ws.buffers}
 
-    def claim(self):
-        """Zero what must stay zero (the padding rows and matrix, the gap, columns past W) and hold the workspace."""
-        self.rows.zero_()
-        if self.stage is not None:  # the gather writes every staged row: only its zero row
-            self.stage[-1].zero_()
-        else:
-            self.staged[self.pad_rows].zero_()  # K's padding matrix and the gap before V
-            if self.tail is not None:
-                self.tail.zero_()  # columns W .. NCW - 1 of every (K/V, row, KV head)
-        self.ws.owner = self
+    def current(self, ws: Workspace) -> bool:
+        """Whether every buffer is still the workspace's (none was grown into a new one since)."""
+        return all(ws.buffers.get(name) is buf for name, buf in self.held.items())
 
 
-ALIGN_BYTES = 64  # the staged V starts at a multiple of this (as a buffer of its own would: the allocator's)
+class _Layout:
+    """A forward's views of `_Buffers` that depend on W and on the plan: where the layer's copy of K and V
+    lands, the columns past W (kept zero: hidden keys, so that their probabilities are exact zeros whatever
+    the scores), or the staging buffer and the gather index from each row's first key; the masked chunks."""
+
+    def __init__(self, plan: ChunkPlan, buffers: _Buffers, acc, device):
+        B, Hkv, NC, chunk, D, Bt = buffers.shape
+        W, NCW, ws = plan.width, NC * chunk, plan.workspace
+        self.buffers, self.plan = buffers, plan
+        staged, v_row = buffers.staged, buffers.v_row
+        self.tail = self.stage = self.gather = None
+        if plan.from_zero:  # the cache's first W columns go to their chunks by one strided copy
+            strides = (v_row * D, Hkv * NCW * D, NCW * D, D, 1)
+            self.dest = staged.as_strided((2, B, Hkv, W, D), strides)
+            if NCW > W:  # columns W .. NCW - 1 of every (K/V, row, KV head)
+                self.tail = staged.as_strided((2, B, Hkv, NCW - W, D), strides, staged.storage_offset() + W * D)
+        else:  # staged [2, B, H_kv, W, D] (and a zero row), then gathered from each row's first key
+            self.stage = ws.get("bi_stage", (2 * B * Hkv * W + 1, D), acc, device)[0]  # [2 B H_kv W + 1, D]
+            self.dest = self.stage[:-1].view(2, B, Hkv, W, D)
+            heads = torch.arange(2 * B * Hkv, device=device).view(2, B, Hkv, 1) * W  # [2, B, H_kv, 1]
+            columns = (plan.first[:, None] + torch.arange(NCW, device=device)).clamp_(max=W - 1)  # [B, NCW]
+            rows = (heads + columns.view(1, B, 1, NCW)).view(2, Bt * chunk)  # [2, Bt chunk] staged row to read
+            zero = torch.full((v_row - Bt * chunk,), 2 * B * Hkv * W, dtype=rows.dtype, device=device)  # zero row
+            self.gather = torch.cat([rows[0], zero, rows[1]])  # [v_row + Bt chunk]
+        self.masked = buffers.scores5[:, :, plan.masked_from:] if plan.masked_from < NC else None
+        self.hidden = plan.hidden[:, :, plan.masked_from:]
+
+
+def _layout(plan: ChunkPlan, B, Hkv, T, D, acc, device, chunk) -> _Layout:
+    """The plan's layout, with the workspace taken for it: the `_Buffers` of this shape (kept by the workspace,
+    made again when another shape grew one of its buffers), zeroed where they must be zero unless the
+    workspace's last user had the same ones (nothing writes there), and the layout's own zeros (the columns
+    past W, or the staging buffer's zero row) each time the workspace changes hands."""
+    ws = plan.workspace
+    key = (B, Hkv, T, plan.chunks, D, acc, device, chunk)
+    kept = ws.kept
+    buffers = kept.get(key)
+    if buffers is None or not buffers.current(ws):
+        for old in [k for k, b in kept.items() if not b.current(ws)]:  # views of buffers grown since: let go
+            del kept[old]
+        while len(kept) >= KEPT_SHAPES:
+            kept.pop(next(iter(kept)))
+        buffers = kept[key] = _Buffers(ws, B, Hkv, T, plan.chunks, plan.rows, D, acc, device, chunk)
+    lay = plan.layouts.get((D, acc, device, chunk))
+    if lay is None or lay.buffers is not buffers:
+        lay = plan.layouts[(D, acc, device, chunk)] = _Layout(plan, buffers, acc, device)
+    last = ws.owner
+    if getattr(last, "buffers", None) is not buffers:  # another shape (or nothing) used the buffers last
+        buffers.rows.zero_()
+        buffers.gap.zero_()
+    if lay.tail is not None:
+        lay.tail.zero_()
+    if lay.stage is not None:
+        lay.stage[-1].zero_()
+    ws.owner = lay
+    return lay
 
 
 def bi_attention_reference(q, k_cache, v_cache, mask, first, plan: ChunkPlan | None = None, chunk: int = CHUNK):
     """Torch path (what runs on the CPU); shapes as in `bi_attention`. Returns [B, H, T, D] in q's dtype.
 
-    Per layer, with the plan's views made once per forward: stage the keys and values (one strided copy from
-    the cache when every row starts at column 0, else a copy and a gather), scaled query rows into the padded
-    buffer (one op, which also casts), scores by one `bmm`, mask, the row maximum (two exact reductions),
-    `exp`, fixed-length chunk sums, p @ V by a second `bmm`, chunks added in order (`cumsum`), divide."""
+    Per layer, with the views made once (`_Buffers`, `_Layout`): stage the keys and values (one strided copy
+    from the cache when every row starts at column 0, else a copy and a gather), the scaled query rows into
+    the padded buffer (one op, which also casts), scores by one `bmm`, mask the chunks that hide keys, the row
+    maximum, `exp`, fixed-length chunk sums, p @ V by a second `bmm`, chunks added in order (`cumsum`, with
+    more than one chunk), divide."""
     B, H, T, D = q.shape
     _, Hkv, C, _ = k_cache.shape
     G = H // Hkv  # query heads per KV head (head h reads KV head h // G)
     if plan is None:
         plan = chunk_plan(mask, first, G, Hkv, C, chunk)
     acc = _accumulation_dtype(q.dtype)
-    key = (D, acc, q.device, B, Hkv, T, chunk)
-    lay = plan.layouts.get(key)
-    if lay is None:
-        lay = plan.layouts[key] = _Layout(plan, B, Hkv, T, D, acc, q.device, chunk)
-    elif plan.workspace.owner is not lay:  # another plan used the buffers since
-        lay.claim()
+    lay = plan.layouts.get((D, acc, q.device, chunk))
+    if lay is None or plan.workspace.owner is not lay:  # the forward's first layer, or another plan came between
+        lay = _layout(plan, B, Hkv, T, D, acc, q.device, chunk)
+    buf = lay.buffers
     bmm = bounded_bmm
     # is_compiling first: torch.compile cannot trace get_num_threads (a compiled graph keeps the caller's threads)
     if q.device.type == "cpu" and not torch.compiler.is_compiling():
@@ -351,27 +391,26 @@ def bi_attention_reference(q, k_cache, v_cache, mask, first, plan: ChunkPlan | N
         lay.dest[0].copy_(k_cache[:, :, :W])
         lay.dest[1].copy_(v_cache[:, :, :W])
     if lay.gather is not None:
-        torch.index_select(lay.stage, 0, lay.gather, out=lay.staged)  # each row's chunks from its first key
+        torch.index_select(lay.stage, 0, lay.gather, out=buf.staged)  # each row's chunks from its first key
     # row g * T + t of (b, kv, c): query t of head kv * G + g, scaled (in the accumulation dtype: the scale
     # tensor's dtype wins the promotion), the same for every chunk
-    torch.mul(q.view(B, Hkv, 1, G, T, D), lay.scale, out=lay.rows_dest)
-    bmm(lay.rows, lay.keys_t, lay.scores)  # [Bm, Rp, chunk]: K^T a view, never copied
-    scores = lay.scores5.masked_fill_(plan.hidden, float("-inf"))  # [B, H_kv, NC, Rp, chunk]
-    if lay.chunk_max is None:
-        torch.amax(scores, dim=-1, keepdim=True, out=lay.top5)  # exact in any order
-    else:
-        torch.amax(torch.amax(scores, dim=-1, out=lay.chunk_max), dim=2, keepdim=True, out=lay.top)
+    torch.mul(q.view(B, Hkv, 1, G, T, D), buf.scale, out=buf.rows_dest)
+    bmm(buf.rows, buf.keys_t, buf.scores)  # [Bm, Rp, chunk]: K^T a view, never copied
+    scores = buf.scores5  # [B, H_kv, NC, Rp, chunk]
+    if lay.masked is not None:  # the chunks where some query row may not see some key
+        lay.masked.masked_fill_(lay.hidden, float("-inf"))
+    torch.amax(scores, dim=(2, 4), keepdim=True, out=buf.top)  # [B, H_kv, 1, Rp, 1], exact in any order
     if plan.blind:
-        lay.top.clamp_(min=torch.finfo(acc).min)  # finite for rows with no visible key (their scores stay -inf)
-    scores.sub_(lay.top5).exp_()  # probabilities in place of the scores; 0 where hidden
-    torch.sum(scores, dim=-1, out=lay.sums)  # [B, H_kv, NC, Rp], one fixed-length sum per chunk
-    bmm(lay.probs, lay.values, lay.parts)  # [Bt, Rp, D]
-    if lay.chunk_max is not None:  # chunks added in order (cumsum is a sequential scan: one order for every row)
-        torch.cumsum(lay.parts5, dim=2, out=lay.added)
-        torch.cumsum(lay.sums, dim=2, out=lay.totals)
+        buf.top.clamp_(min=torch.finfo(acc).min)  # finite for rows with no visible key (their scores stay -inf)
+    scores.sub_(buf.top).exp_()  # probabilities in place of the scores; 0 where hidden
+    torch.sum(scores, dim=-1, out=buf.sums)  # [B, H_kv, NC, Rp], one fixed-length sum per chunk
+    bmm(buf.probs, buf.values, buf.parts)  # [Bt, Rp, D]
+    if plan.chunks > 1:  # chunks added in order (cumsum is a sequential scan: one order for every row)
+        torch.cumsum(buf.parts5, dim=2, out=buf.added)
+        torch.cumsum(buf.sums, dim=2, out=buf.totals)
     if plan.blind:
-        lay.den.clamp_min_(torch.finfo(acc).tiny)  # rows with no visible key: 0 / tiny = 0
-    out = torch.div(lay.num, lay.den)  # [B, H_kv, R, D], fresh
+        buf.den.clamp_min_(torch.finfo(acc).tiny)  # rows with no visible key: 0 / tiny = 0
+    out = torch.div(buf.num, buf.den)  # [B, H_kv, R, D], fresh
     if out.dtype != q.dtype:
         out = out.to(q.dtype)
     return out.view(B, H, T, D)

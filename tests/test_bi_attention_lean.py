@@ -203,26 +203,33 @@ def test_lean_path_has_the_frozen_references_bits():
 
 
 def test_plans_taking_turns_on_one_workspace_keep_their_bits():
-    """Two forwards' plans (a decode from column 0, whose zeros past W live in the shared buffers, and a
-    left-padded verify) alternating on one workspace, and a plan without one: the oracle's bits each time."""
+    """Forwards' plans taking turns on one workspace in a random order: decodes from column 0 (whose zeros
+    past W live in the shared buffers) of one shape at three widths (a rollback shrinks W), a left-padded
+    decode of the same shape (its gather writes those columns), a verify and a one-row decode; then another
+    user leaves NaN in every buffer. Each call has the oracle's bits."""
     g, gen = random.Random(7), torch.Generator().manual_seed(7)
     workspace = ba.Workspace()
     H, Hkv, D = GROUPS[0]
-    decode = random_step(g, 1, 1, 150, "ragged")
-    verify = random_step(g, 3, 6, 300, "left")
-    plans = [ba.chunk_plan(m, ba.first_keys(m), H // Hkv, Hkv, m.shape[2], workspace=workspace) for m in (decode, verify)]
-    assert plans[0].from_zero and not plans[1].from_zero and not plans[0].blind
-    for turn in range(6):
-        mask, plan = ((decode, plans[0]), (verify, plans[1]))[turn % 2]
+    masks = [random_step(g, 2, 1, 150, "ragged"), random_step(g, 2, 1, 129, "ragged"), random_step(g, 2, 1, 190, "ragged"),
+             random_step(g, 2, 1, 170, "left"), random_step(g, 3, 6, 300, "left"), random_step(g, 1, 1, 150, "ragged")]
+    plans = [ba.chunk_plan(m, ba.first_keys(m), H // Hkv, Hkv, m.shape[2], workspace=workspace) for m in masks]
+    assert [p.from_zero for p in plans] == [True, True, True, False, False, True] and not plans[0].blind
+    assert plans[5].masked_from == plans[5].chunks - 1  # one row at its full width: only the last chunk masks
+    turns = [i % len(plans) for i in range(2 * len(plans))] + [g.randrange(len(plans)) for _ in range(12)]
+    for i in turns:
+        mask, plan = masks[i], plans[i]
         B, T, W = mask.shape
         q, k, v = random_inputs(g, gen, torch.float32, B, T, W, H, Hkv, D, 10, True)
         ref = oracle_attention(q, k, v, mask, ba.first_keys(mask))
-        assert torch.equal(bits(ba.bi_attention_reference(q, k, v, mask, ba.first_keys(mask), plan)), bits(ref))
-        assert torch.equal(bits(ba.bi_attention(q, k, v, mask, backend="torch")), bits(ref))  # a plan of its own
-    # another user leaves NaN in every buffer: the decode plan's next layer zeroes what it keeps zero again
-    for buffer in workspace.buffers.values():
-        buffer.fill_(float("nan"))
-    workspace.owner = object()
-    q, k, v = random_inputs(g, gen, torch.float32, 1, 1, 150, H, Hkv, D, 10, True)
-    ref = oracle_attention(q, k, v, decode, ba.first_keys(decode))
-    assert torch.equal(bits(ba.bi_attention_reference(q, k, v, decode, ba.first_keys(decode), plans[0])), bits(ref))
+        assert torch.equal(bits(ba.bi_attention_reference(q, k, v, mask, ba.first_keys(mask), plan)), bits(ref)), i
+        if i == 0:
+            assert torch.equal(bits(ba.bi_attention(q, k, v, mask, backend="torch")), bits(ref))  # a plan of its own
+    for i in (0, 3, 5):  # a layer, then another user leaves NaN in every buffer, then the plan's next layer
+        for turn in range(2):
+            q, k, v = random_inputs(g, gen, torch.float32, *masks[i].shape, H, Hkv, D, 10, True)
+            ref = oracle_attention(q, k, v, masks[i], ba.first_keys(masks[i]))
+            out = ba.bi_attention_reference(q, k, v, masks[i], ba.first_keys(masks[i]), plans[i])
+            assert torch.equal(bits(out), bits(ref)), (i, turn)
+            for buffer in workspace.buffers.values():
+                buffer.fill_(float("nan"))
+            workspace.owner = object()
