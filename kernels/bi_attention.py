@@ -250,18 +250,36 @@ def _kv_pair(k_cache, v_cache, W: int):
 
 ALIGN_BYTES = 64  # the staged V starts at a multiple of this (as a buffer of its own would: the allocator's)
 KEPT_SHAPES = 4  # `_Buffers` a workspace keeps (decode and verify steps of a few batch sizes and context chunks)
+STAGE_MATRICES = BMM_MAX_MATRICES  # calls of more [chunk, D] matrices stage them a block of groups at a time
+
+
+def _blocks(groups: int, NC: int) -> list[tuple[int, int]]:
+    """The (row, KV head) groups [g0, g1) whose keys are staged and multiplied together: all of them when their
+    groups * NC matrices fit one call of BMM_MAX_MATRICES, else blocks of as many whole groups as fit (a
+    block's staged keys then stay in the CPU's caches between the copy and the product: staging a whole batch
+    of long rows at once went to memory three times). Never a block of one matrix: a batch of one transposed
+    matrix takes another MKL path (measured)."""
+    if groups * NC <= STAGE_MATRICES:
+        return [(0, groups)]
+    per = max(1, STAGE_MATRICES // NC)
+    blocks = [(g, min(g + per, groups)) for g in range(0, groups, per)]
+    if (blocks[-1][1] - blocks[-1][0]) * NC == 1:  # (NC == 1) the last block takes a group of the one before
+        (a, b), (_, d) = blocks[-2], blocks[-1]
+        blocks[-2:] = [(a, b - 1), (b - 1, d)]
+    return blocks
 
 
 class _Buffers:
     """The torch path's buffers for one (B, H_kv, T, NC, D, dtype, chunk) and every view of them a layer uses
     (made once: a layer then runs no view ops of its own), kept by the workspace across forwards.
 
-    Staged keys and values: one buffer, K's Bm matrices [chunk, D] then, at a 64-byte aligned row, V's Bt;
-    matrix (b, h, c) holds the row's keys c * chunk .. (c + 1) * chunk - 1. The padding matrix (Bm > Bt),
-    the gap before V and the padding query rows are zeroed when the buffers are taken (`_layout`): they only
-    reach results that are dropped (a product's rows and matrices are computed apart), so zeros are not for
-    the bits but to keep NaN and subnormal junk out of the arithmetic. The zeros that the bits need are the
-    columns past W (`_Layout.tail`): their probabilities are exact zeros, and 0 * NaN would not be."""
+    Staged keys and values of one block of groups (`_blocks`; usually all of them): one buffer, K's matrices
+    [chunk, D] (at least two) then, at a 64-byte aligned row, V's; group slot s holds matrices s * NC ..
+    (s + 1) * NC - 1, matrix c the group's keys c * chunk .. (c + 1) * chunk - 1. The padding matrix, the gap
+    before V and the padding query rows are zeroed when the buffers are taken (`_layout`): they only reach
+    results that are dropped (a product's rows and matrices are computed apart), so zeros are not for the bits
+    but to keep NaN and subnormal junk out of the arithmetic. The zeros the bits need are the columns past W
+    (`_Layout.tail`): their probabilities are exact zeros, and 0 * NaN would not be."""
 
     NAMES = ("bi_kv", "bi_rows", "bi_scores", "bi_top", "bi_sums", "bi_parts", "bi_added", "bi_totals")
 
@@ -269,20 +287,23 @@ class _Buffers:
         Rp = padded_rows(R)
         G = R // T
         Bt = B * Hkv * NC  # one [chunk]-key matmul per (row, KV head, chunk)
-        Bm = max(Bt, 2)  # a batch of one matrix with a transposed operand takes another MKL path (measured): pad
+        self.blocks = _blocks(B * Hkv, NC)
+        slots = max(g1 - g0 for g0, g1 in self.blocks)  # groups staged at once
+        Bs = slots * NC
+        Bm = max(Bs, 2)  # a batch of one matrix with a transposed operand takes another MKL path (measured): pad
         per_row = ALIGN_BYTES // math.gcd(ALIGN_BYTES, D * torch.finfo(acc).bits // 8)  # rows per aligned step
-        self.v_row = v_row = cdiv(Bm * chunk, per_row) * per_row  # V's first row: 64-byte aligned
-        self.shape = (B, Hkv, NC, chunk, D, Bt)
-        self.staged = staged = ws.get("bi_kv", (v_row + Bt * chunk, D), acc, device)[0]  # [rows, D]
-        self.keys_t = staged[: Bm * chunk].view(Bm, chunk, D).transpose(1, 2)  # [Bm, D, chunk] K^T, a view
-        self.values = staged[v_row:].view(Bt, chunk, D)  # [Bt, chunk, D]
-        self.gap = staged[Bt * chunk: v_row]  # K's padding matrix and the gap before V
-        self.rows = ws.get("bi_rows", (Bm, Rp, D), acc, device)[0]  # query rows, padded, once per chunk
+        v_row = cdiv(Bm * chunk, per_row) * per_row  # V's first row: 64-byte aligned
+        self.shape = (B, Hkv, NC, chunk, D, Bt, slots, v_row)
+        self.staged = staged = ws.get("bi_kv", (v_row + Bs * chunk, D), acc, device)[0]  # [rows, D]
+        keys_t = staged[: Bm * chunk].view(Bm, chunk, D).transpose(1, 2)  # [Bm, D, chunk] K^T, a view
+        values = staged[v_row:].view(Bs, chunk, D)  # [Bs, chunk, D]
+        self.gap = staged[Bs * chunk: v_row]  # K's padding matrix and the gap before V
+        Mt = max(Bt, 2)
+        self.rows = ws.get("bi_rows", (Mt, Rp, D), acc, device)[0]  # query rows, padded, once per chunk
         self.rows_dest = self.rows[:Bt].view(B, Hkv, NC, Rp, D)[:, :, :, :R].view(B, Hkv, NC, G, T, D)
         self.scale = torch.full((1, 1, NC, 1, 1, 1), 1.0 / math.sqrt(D), dtype=acc, device=device)
-        self.scores = ws.get("bi_scores", (Bm, Rp, chunk), acc, device)[0]  # [Bm, Rp, chunk]
+        self.scores = ws.get("bi_scores", (Mt, Rp, chunk), acc, device)[0]  # [Mt, Rp, chunk]
         self.scores5 = self.scores[:Bt].view(B, Hkv, NC, Rp, chunk)
-        self.probs = self.scores[:Bt]  # [Bt, Rp, chunk], in place of the scores
         self.top = ws.get("bi_top", (B, Hkv, 1, Rp, 1), acc, device)[0]  # [B, H_kv, 1, Rp, 1] row maxima
         self.sums = ws.get("bi_sums", (B, Hkv, NC, Rp), acc, device)[0]  # one fixed-length sum per chunk
         self.parts = ws.get("bi_parts", (Bt, Rp, D), acc, device)[0]  # [Bt, Rp, D]
@@ -293,6 +314,13 @@ class _Buffers:
             self.num, self.den = self.added[:, :, -1, :R], self.totals[:, :, -1, :R, None]  # [B, H_kv, R, D|1]
         else:  # one chunk: its sums are the totals
             self.num, self.den = self.parts5[:, :, 0, :R], self.sums[:, :, 0, :R, None]
+        # per block: the scores' product (query rows, K^T, scores: two matrices at least) and p @ V's
+        self.products = []
+        for g0, g1 in self.blocks:
+            m0, n = g0 * NC, (g1 - g0) * NC
+            nk = max(n, 2)
+            self.products.append(((self.rows[m0:m0 + nk], keys_t[:nk], self.scores[m0:m0 + nk]),
+                                  (self.scores[m0:m0 + n], values[:n], self.parts[m0:m0 + n])))
         self.held = {name: ws.buffers[name] for name in self.NAMES if name in ws.buffers}
 
     def current(self, ws: Workspace) -> bool:
@@ -300,39 +328,127 @@ class _Buffers:
         return all(ws.buffers.get(name) is buf for name, buf in self.held.items())
 
 
-class _Layout:
-    """A forward's views of `_Buffers` that depend on W and on the plan: where the layer's copy of K and V
-    lands, the columns past W (kept zero: hidden keys, so that their probabilities are exact zeros whatever
-    the scores), or the staging buffer and the gather index from each row's first key; the masked chunks."""
+def _flat_rows(k_cache, v_cache, pair):
+    """(rows per unit of k's (B, H_kv) strides, V's first row after K's) when the caches' rows of D can be read as
+    rows of one [N, D] view from K's start: unit column and D-element row strides, and V a view of the same
+    tensor (`pair`) at a whole number of rows; else None."""
+    D = k_cache.shape[3]
+    sb, sh, sc, sd = k_cache.stride()
+    if pair is None or sd != 1 or sc != D or sb % D or sh % D:
+        return None
+    apart = pair.stride(0)
+    return None if apart % D else (sb // D, sh // D, apart // D)
 
-    def __init__(self, plan: ChunkPlan, buffers: _Buffers, acc, device):
-        B, Hkv, NC, chunk, D, Bt = buffers.shape
-        W, NCW, ws = plan.width, NC * chunk, plan.workspace
+
+class _Layout:
+    """A forward's way of staging K and V into `_Buffers` (it depends on W, the rows' first keys and the
+    caches' strides), and its masked chunks:
+
+    - every row from column 0 (`from_zero`): one strided copy per block (K and V at once with one block) puts
+      the cache's first W columns into their chunks; the columns past W (`tail`) stay zero;
+    - else a gather from each row's first key (`index_select`; the columns past W read column W - 1, hidden),
+      from the caches themselves read as rows [N, D] (then cast) when their strides allow, or from a copy of
+      their first W columns (`stage`, with a zero row for the padding)."""
+
+    def __init__(self, plan: ChunkPlan, buffers: _Buffers, acc, device, k_cache, v_cache, pair):
+        B, Hkv, NC, chunk, D, Bt, slots, v_row = buffers.shape
+        W, NCW, ws, groups = plan.width, NC * chunk, plan.workspace, B * Hkv
         self.buffers, self.plan = buffers, plan
-        staged, v_row = buffers.staged, buffers.v_row
-        self.tail = self.stage = self.gather = None
-        if plan.from_zero:  # the cache's first W columns go to their chunks by one strided copy
-            strides = (v_row * D, Hkv * NCW * D, NCW * D, D, 1)
-            self.dest = staged.as_strided((2, B, Hkv, W, D), strides)
-            if NCW > W:  # columns W .. NCW - 1 of every (K/V, row, KV head)
-                self.tail = staged.as_strided((2, B, Hkv, NCW - W, D), strides, staged.storage_offset() + W * D)
-        else:  # staged [2, B, H_kv, W, D] (and a zero row), then gathered from each row's first key
-            self.stage = ws.get("bi_stage", (2 * B * Hkv * W + 1, D), acc, device)[0]  # [2 B H_kv W + 1, D]
-            self.dest = self.stage[:-1].view(2, B, Hkv, W, D)
-            heads = torch.arange(2 * B * Hkv, device=device).view(2, B, Hkv, 1) * W  # [2, B, H_kv, 1]
-            columns = (plan.first[:, None] + torch.arange(NCW, device=device)).clamp_(max=W - 1)  # [B, NCW]
-            rows = (heads + columns.view(1, B, 1, NCW)).view(2, Bt * chunk)  # [2, Bt chunk] staged row to read
-            zero = torch.full((v_row - Bt * chunk,), 2 * B * Hkv * W, dtype=rows.dtype, device=device)  # zero row
-            self.gather = torch.cat([rows[0], zero, rows[1]])  # [v_row + Bt chunk]
+        self.strides = (k_cache.stride(), v_cache.stride(), None if pair is None else pair.stride(0))
         self.masked = buffers.scores5[:, :, plan.masked_from:] if plan.masked_from < NC else None
         self.hidden = plan.hidden[:, :, plan.masked_from:]
+        staged = buffers.staged
+        off = staged.storage_offset()
+        single = len(buffers.blocks) == 1
+        flat = _flat_rows(k_cache, v_cache, pair)
+        self.from_zero = plan.from_zero and (single or k_cache.stride(0) == Hkv * k_cache.stride(1))
+        self.tail = self.stage = self.index = self.raw = None
+        if self.from_zero:  # (group slot, column) -> staged row slot * NCW + column
+            strides = (v_row * D, NCW * D, D, 1)
+            if NCW > W:  # columns W .. NCW - 1 of every (K/V, group slot)
+                self.tail = staged.as_strided((2, slots, NCW - W, D), strides, off + W * D)
+            if single:
+                self.dest = staged.as_strided((2, B, Hkv, W, D), (v_row * D, Hkv * NCW * D, NCW * D, D, 1))
+            else:  # block of s groups: K's and V's destinations
+                self.dests = {s: (staged.as_strided((s, W, D), strides[1:], off),
+                                  staged.as_strided((s, W, D), strides[1:], off + v_row * D))
+                              for s in {g1 - g0 for g0, g1 in buffers.blocks}}
+            return
+        columns = (plan.first[:, None] + torch.arange(NCW, device=device)).clamp_(max=W - 1)  # [B, NCW]
+        if flat is not None:  # rows of the caches' own storage, from K's first element
+            per_b, per_h, v_shift = flat
+            heads = (torch.arange(B, device=device) * per_b)[:, None] + torch.arange(Hkv, device=device) * per_h
+            keys = (heads[:, :, None] + columns[:, None, :]).view(groups, NCW)  # [groups, NCW]
+            self.rows_needed = v_shift + int((B - 1) * per_b + (Hkv - 1) * per_h + W)
+            if k_cache.dtype != acc:  # gathered in the cache's dtype, then cast into the staged buffer
+                self.raw = ws.get("bi_kv_raw", tuple(staged.shape), k_cache.dtype, device)[0]
+        else:  # a copy of the first W columns, [2, B, H_kv, W, D] rows, and a zero row after them
+            v_shift = groups * W
+            self.stage = ws.get("bi_stage", (2 * groups * W + 1, D), acc, device)[0]
+            self.stage_dest = self.stage[:-1].view(2, B, Hkv, W, D)
+            keys = (torch.arange(groups, device=device)[:, None] * W + columns.repeat_interleave(Hkv, 0))
+        pad = 0 if flat is not None else 2 * groups * W  # a row for the padding matrix and the gap
+        if single:
+            self.index = torch.cat([keys.view(-1), torch.full((v_row - Bt * chunk,), pad, device=device),
+                                    keys.view(-1) + v_shift])  # [v_row + Bt chunk]: K, padding and gap, V
+            self.out = staged[: v_row + Bt * chunk] if self.raw is None else self.raw[: v_row + Bt * chunk]
+        else:
+            self.index = [(keys[g0:g1].reshape(-1), keys[g0:g1].reshape(-1) + v_shift) for g0, g1 in buffers.blocks]
+            target = staged if self.raw is None else self.raw
+            self.outs = {s: (target[: s * NCW], target[v_row: v_row + s * NCW])
+                         for s in {g1 - g0 for g0, g1 in buffers.blocks}}
+            self.casts = {s: (staged[: s * NCW], staged[v_row: v_row + s * NCW])
+                          for s in {g1 - g0 for g0, g1 in buffers.blocks}}
+
+    def matches(self, k_cache, v_cache, pair) -> bool:
+        return self.strides == (k_cache.stride(), v_cache.stride(), None if pair is None else pair.stride(0))
+
+    def source(self, k_cache, v_cache, pair):
+        """What the gather reads this call: the caches as rows [N, D], or the copy of their first W columns."""
+        if self.stage is None:
+            return k_cache.as_strided((self.rows_needed, k_cache.shape[3]), (k_cache.shape[3], 1))
+        if pair is not None:
+            self.stage_dest.copy_(pair)
+        else:
+            W = self.plan.width
+            self.stage_dest[0].copy_(k_cache[:, :, :W])
+            self.stage_dest[1].copy_(v_cache[:, :, :W])
+        return self.stage
+
+    def stage_all(self, k_cache, v_cache, pair):
+        """One block: K and V of every group into the staged buffer."""
+        if self.from_zero:
+            if pair is not None:
+                self.dest.copy_(pair)  # K and V of every row, cast to the accumulation dtype
+            else:
+                W = self.plan.width
+                self.dest[0].copy_(k_cache[:, :, :W])
+                self.dest[1].copy_(v_cache[:, :, :W])
+            return
+        torch.index_select(self.source(k_cache, v_cache, pair), 0, self.index, out=self.out)
+        if self.raw is not None:
+            self.buffers.staged[: self.out.shape[0]].copy_(self.out)
+
+    def stage_block(self, source, cache, i: int, which: int):
+        """Block i's K (which 0) or V (1) into the staged buffer: from `cache` (from_zero) or `source` (gather)."""
+        g0, g1 = self.buffers.blocks[i]
+        if self.from_zero:
+            sb, sh, sc, sd = cache.stride()
+            part = cache.as_strided((g1 - g0, self.plan.width, cache.shape[3]), (sh, sc, sd),
+                                    cache.storage_offset() + g0 * sh)  # [s, W, D] of groups g0 .. g1 - 1
+            self.dests[g1 - g0][which].copy_(part)
+            return
+        out = self.outs[g1 - g0][which]
+        torch.index_select(source, 0, self.index[i][which], out=out)
+        if self.raw is not None:
+            self.casts[g1 - g0][which].copy_(out)
 
 
-def _layout(plan: ChunkPlan, B, Hkv, T, D, acc, device, chunk) -> _Layout:
+def _layout(plan: ChunkPlan, B, Hkv, T, D, acc, device, chunk, k_cache, v_cache, pair) -> _Layout:
     """The plan's layout, with the workspace taken for it: the `_Buffers` of this shape (kept by the workspace,
     made again when another shape grew one of its buffers), zeroed where they must be zero unless the
     workspace's last user had the same ones (nothing writes there), and the layout's own zeros (the columns
-    past W, or the staging buffer's zero row) each time the workspace changes hands."""
+    past W, or the staging copy's zero row) each time the workspace changes hands."""
     ws = plan.workspace
     key = (B, Hkv, T, plan.chunks, D, acc, device, chunk)
     kept = ws.kept
@@ -344,10 +460,9 @@ def _layout(plan: ChunkPlan, B, Hkv, T, D, acc, device, chunk) -> _Layout:
             kept.pop(next(iter(kept)))
         buffers = kept[key] = _Buffers(ws, B, Hkv, T, plan.chunks, plan.rows, D, acc, device, chunk)
     lay = plan.layouts.get((D, acc, device, chunk))
-    if lay is None or lay.buffers is not buffers:
-        lay = plan.layouts[(D, acc, device, chunk)] = _Layout(plan, buffers, acc, device)
-    last = ws.owner
-    if getattr(last, "buffers", None) is not buffers:  # another shape (or nothing) used the buffers last
+    if lay is None or lay.buffers is not buffers or not lay.matches(k_cache, v_cache, pair):
+        lay = plan.layouts[(D, acc, device, chunk)] = _Layout(plan, buffers, acc, device, k_cache, v_cache, pair)
+    if getattr(ws.owner, "buffers", None) is not buffers:  # another shape (or nothing) used the buffers last
         buffers.rows.zero_()
         buffers.gap.zero_()
     if lay.tail is not None:
@@ -361,20 +476,22 @@ def _layout(plan: ChunkPlan, B, Hkv, T, D, acc, device, chunk) -> _Layout:
 def bi_attention_reference(q, k_cache, v_cache, mask, first, plan: ChunkPlan | None = None, chunk: int = CHUNK):
     """Torch path (what runs on the CPU); shapes as in `bi_attention`. Returns [B, H, T, D] in q's dtype.
 
-    Per layer, with the views made once (`_Buffers`, `_Layout`): stage the keys and values (one strided copy
-    from the cache when every row starts at column 0, else a copy and a gather), the scaled query rows into
-    the padded buffer (one op, which also casts), scores by one `bmm`, mask the chunks that hide keys, the row
-    maximum, `exp`, fixed-length chunk sums, p @ V by a second `bmm`, chunks added in order (`cumsum`, with
-    more than one chunk), divide."""
+    Per layer, with the views made once (`_Buffers`, `_Layout`): stage the keys and values (a strided copy from
+    the cache when every row starts at column 0, else a gather from each row's first key), the scaled query
+    rows into the padded buffer (one op, which also casts), scores by one `bmm`, mask the chunks that hide keys,
+    the row maximum, `exp`, fixed-length chunk sums, p @ V by a second `bmm`, chunks added in order (`cumsum`,
+    with more than one chunk), divide. Calls of more than BMM_MAX_MATRICES matrices stage and multiply their
+    keys, then their values, a block of (row, KV head) groups at a time."""
     B, H, T, D = q.shape
     _, Hkv, C, _ = k_cache.shape
     G = H // Hkv  # query heads per KV head (head h reads KV head h // G)
     if plan is None:
         plan = chunk_plan(mask, first, G, Hkv, C, chunk)
     acc = _accumulation_dtype(q.dtype)
+    pair = _kv_pair(k_cache, v_cache, plan.width)
     lay = plan.layouts.get((D, acc, q.device, chunk))
-    if lay is None or plan.workspace.owner is not lay:  # the forward's first layer, or another plan came between
-        lay = _layout(plan, B, Hkv, T, D, acc, q.device, chunk)
+    if lay is None or plan.workspace.owner is not lay or not lay.matches(k_cache, v_cache, pair):
+        lay = _layout(plan, B, Hkv, T, D, acc, q.device, chunk, k_cache, v_cache, pair)  # a forward's first layer
     buf = lay.buffers
     bmm = bounded_bmm
     # is_compiling first: torch.compile cannot trace get_num_threads (a compiled graph keeps the caller's threads)
@@ -383,19 +500,18 @@ def bi_attention_reference(q, k_cache, v_cache, mask, first, plan: ChunkPlan | N
         how = bmm_plan(acc, threads, D, chunk)
         if how.threads != threads or how.block is not None:  # this CPU's bmm changes rows with the call
             bmm = functools.partial(_bmm, how)
-    W = plan.width
-    pair = _kv_pair(k_cache, v_cache, W)
-    if pair is not None:
-        lay.dest.copy_(pair)  # K and V of every row, cast to the accumulation dtype
-    else:
-        lay.dest[0].copy_(k_cache[:, :, :W])
-        lay.dest[1].copy_(v_cache[:, :, :W])
-    if lay.gather is not None:
-        torch.index_select(lay.stage, 0, lay.gather, out=buf.staged)  # each row's chunks from its first key
     # row g * T + t of (b, kv, c): query t of head kv * G + g, scaled (in the accumulation dtype: the scale
     # tensor's dtype wins the promotion), the same for every chunk
     torch.mul(q.view(B, Hkv, 1, G, T, D), buf.scale, out=buf.rows_dest)
-    bmm(buf.rows, buf.keys_t, buf.scores)  # [Bm, Rp, chunk]: K^T a view, never copied
+    single = len(buf.products) == 1
+    if single:
+        lay.stage_all(k_cache, v_cache, pair)
+        bmm(*buf.products[0][0])  # scores [Bm, Rp, chunk]: K^T a view, never copied
+    else:
+        source = None if lay.from_zero else lay.source(k_cache, v_cache, pair)
+        for i, (scores_product, _) in enumerate(buf.products):
+            lay.stage_block(source, k_cache, i, 0)
+            bmm(*scores_product)
     scores = buf.scores5  # [B, H_kv, NC, Rp, chunk]
     if lay.masked is not None:  # the chunks where some query row may not see some key
         lay.masked.masked_fill_(lay.hidden, float("-inf"))
@@ -404,7 +520,12 @@ def bi_attention_reference(q, k_cache, v_cache, mask, first, plan: ChunkPlan | N
         buf.top.clamp_(min=torch.finfo(acc).min)  # finite for rows with no visible key (their scores stay -inf)
     scores.sub_(buf.top).exp_()  # probabilities in place of the scores; 0 where hidden
     torch.sum(scores, dim=-1, out=buf.sums)  # [B, H_kv, NC, Rp], one fixed-length sum per chunk
-    bmm(buf.probs, buf.values, buf.parts)  # [Bt, Rp, D]
+    if single:
+        bmm(*buf.products[0][1])  # parts [Bt, Rp, D]
+    else:
+        for i, (_, values_product) in enumerate(buf.products):
+            lay.stage_block(source, v_cache, i, 1)
+            bmm(*values_product)
     if plan.chunks > 1:  # chunks added in order (cumsum is a sequential scan: one order for every row)
         torch.cumsum(buf.parts5, dim=2, out=buf.added)
         torch.cumsum(buf.sums, dim=2, out=buf.totals)

@@ -123,13 +123,19 @@ def bits(x):
 def random_step(g: random.Random, B: int, T: int, W: int, layout: str):
     """(mask [B, T, W], per-row start) of a step of T new tokens per row in a cache of W columns: "ragged"
     (every row from column 0, rows of other lengths, some with fewer new tokens: padding queries on the
-    right), "left" (every row ends at W, left padding; some rows with fewer new tokens), "prefill" (left
-    padded, nothing cached: the padding queries on the left see no key)."""
+    right), "shifted" (as ragged, but every row from column 1..20: padding before the first key), "left" (every
+    row ends at W, left padding; some rows with fewer new tokens), "prefill" (left padded, nothing cached: the
+    padding queries on the left see no key)."""
     num_new = torch.tensor([g.randint(1, T) if g.random() < 0.3 else T for _ in range(B)])
     if layout == "ragged":
         length = torch.tensor([g.randint(0, W - T) for _ in range(B)])
         length[g.randrange(B)] = W - T  # the widest row ends at W
         start = torch.zeros(B, dtype=torch.int64)
+    elif layout == "shifted":
+        start = torch.tensor([g.randint(1, max(1, min(20, W - T))) for _ in range(B)]).clamp(max=W - T)
+        length = torch.tensor([g.randint(0, W - T - int(s)) for s in start])
+        i = g.randrange(B)
+        length[i] = W - T - start[i]  # the widest row ends at W
     elif layout == "left":
         length = torch.tensor([g.randint(0, W - int(n)) for n in num_new])
         length[g.randrange(B)] = W - int(num_new[0]) if B == 1 else length[0]
@@ -137,7 +143,7 @@ def random_step(g: random.Random, B: int, T: int, W: int, layout: str):
     else:  # prefill: T = W
         length = torch.zeros(B, dtype=torch.int64)
         start = W - num_new
-    _, _, mask = step_plan_reference(start, length, num_new, T, layout != "ragged", W)
+    _, _, mask = step_plan_reference(start, length, num_new, T, layout in ("left", "prefill"), W)
     return mask
 
 
@@ -178,9 +184,9 @@ def check_case(g, gen, dtype, B, T, W, layout, group, pair, layers=2, workspace=
 
 
 def test_lean_path_has_the_frozen_references_bits():
-    """~190 random steps (decode, verify and short prefills at batch 1-32, W 1-3000, three layouts, three
+    """~200 random steps (decode, verify and short prefills at batch 1-43, W 1-3000, four layouts, three
     dtypes, six GQA/head-size groups, pair and separate caches), two layers each, on one workspace: every
-    output bit as the oracle's."""
+    output bit as the oracle's, on every staging path."""
     g, gen = random.Random(41), torch.Generator().manual_seed(41)
     workspace = ba.Workspace()  # the model's: reused by every plan, grown, taken over
     cases = 0
@@ -188,7 +194,7 @@ def test_lean_path_has_the_frozen_references_bits():
         for _ in range(60):
             B = g.choice((1, 1, 2, 3, 8, 32))
             T = g.choice((1, 1, 2, 4, 6, 9))
-            layout = g.choice(("ragged", "left", "left", "prefill") if T > 1 else ("ragged", "left"))
+            layout = g.choice(("ragged", "shifted", "left", "left", "prefill") if T > 1 else ("ragged", "shifted", "left"))
             W = T if layout == "prefill" else g.choice((T, 5, 63, 64, 65, 128, 200, 333, 1000))
             W = max(W, T)
             group = g.choice(GROUPS)
@@ -199,7 +205,16 @@ def test_lean_path_has_the_frozen_references_bits():
         for B, W in ((1, 3000), (2, 2047)):  # long contexts, decode
             check_case(g, gen, dtype, B, 1, W, g.choice(("ragged", "left")), GROUPS[0], True, workspace=workspace)
             cases += 1
-    assert cases == 3 * 62
+        # every staging path: blocks of groups (from column 0, gathered from the caches, gathered from a copy
+        # of them), 129 groups of one chunk (the last block takes a group), one matrix padded to two (gathered
+        # from the caches, from a copy)
+        for B, W, layout, group, pair in ((8, 1000, "ragged", GROUPS[0], True), (8, 1000, "left", GROUPS[0], True),
+                                          (8, 1000, "left", GROUPS[0], False), (43, 60, "ragged", GROUPS[0], True),
+                                          (43, 60, "left", GROUPS[0], True), (1, 40, "shifted", GROUPS[3], True),
+                                          (1, 40, "shifted", GROUPS[3], False)):
+            check_case(g, gen, dtype, B, 1, W, layout, group, pair, workspace=workspace)
+            cases += 1
+    assert cases == 3 * 69
 
 
 def test_plans_taking_turns_on_one_workspace_keep_their_bits():
