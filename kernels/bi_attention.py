@@ -18,17 +18,25 @@ at all (left padding in a prefill: it only sees its own column, left of the row'
   otherwise a combine kernel merges each query's splits in order, skipping splits it sees nothing of and
   taking the first it sees as is (so a query whose keys fit in one split gets the one-split bits whatever
   the number of splits). Nothing depends on T, B, W or the padding: invariant by construction.
-- torch reference (CPU; what runs on the CPU): the same chunks, two passes. Scores and chunk outputs are
-  batched matmuls of fixed inner sizes (D and CHUNK) with the query rows padded to a multiple of 4
-  (`bi_matmul.padded_rows`) and K^T as a transposed view (a batch of one matrix padded to two): measured
-  invariant on this CPU, like bi_matmul's paths; the row maximum is exact in any order; `exp` is torch's
-  vectorised one (the same per element wherever it sits); each chunk's sum has the fixed length CHUNK;
-  chunks are added in order by `cumsum` (a sequential scan). Computed in float32 (float64 for float64),
-  with a model's reusable buffers (`Workspace`). The two batched matmuls are MKL's, which picks kernels by
-  CPU and shape, so as with `bi_matmul` the first call per (dtype, thread count, D, chunk) measures whether
-  a (matrix, row) keeps its bits alone and in calls of up to 128 matrices and 200 rows (`bmm_keeps_rows`;
-  larger ones are split, `bounded_bmm`), and where it does not they run on one thread, or as calls of one
-  fixed shape (`blocked_bmm`, `bmm_plan`).
+- torch path (CPU; what runs on the CPU, `bi_attention_reference`): the same chunks, two passes. Scores and
+  chunk outputs are batched matmuls of fixed inner sizes (D and CHUNK) with the query rows padded to a
+  multiple of 4 (`bi_matmul.padded_rows`) and K^T as a transposed view (a batch of one matrix padded to two):
+  measured invariant on this CPU, like bi_matmul's paths; the row maximum is exact in any order; `exp` is
+  torch's vectorised one (the same per element wherever it sits); each chunk's sum has the fixed length CHUNK;
+  chunks are added in order by `cumsum` (a sequential scan). Computed in float32 (float64 for float64). The
+  two batched matmuls are MKL's, which picks kernels by CPU and shape, so as with `bi_matmul` the first call
+  per (dtype, thread count, D, chunk) measures whether a (matrix, row) keeps its bits alone and in calls of
+  up to 128 matrices and 200 rows (`bmm_keeps_rows`; larger ones are split, `bounded_bmm`), and where it does
+  not they run on one thread, or as calls of one fixed shape (`blocked_bmm`, `bmm_plan`).
+  The lean step (issue 41; the same bits as the path it replaced, tests/test_bi_attention_lean.py): what
+  depends only on the mask is done once per forward (`chunk_plan`: the visibility, and one host read of
+  whether every row starts at column 0, whether a query sees no key, which chunks hide a key), every view
+  of the buffers once per shape (`_Buffers`, kept by the model's `Workspace` across forwards) or per forward
+  (`_Layout`), so that a layer runs 13-16 ops: one copy stages K and V (from the cache when every row starts
+  at column 0, as in the ragged layout; else a gather from each row's first key, reading the cache's own
+  storage), one op writes the scaled query rows (and casts), two `bmm`s, the mask on the chunks that hide a
+  key only, one `amax`, `sub`, `exp`, `sum`, two `cumsum`s (with more than one chunk), `div`. Calls of more
+  than 128 matrices stage and multiply a block of (row, KV head) groups at a time (`_blocks`).
 """
 from __future__ import annotations
 
