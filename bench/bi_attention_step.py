@@ -142,8 +142,10 @@ def run_calls(args, old) -> list[list]:
                         }
                         ops = [sum(count_ops(variants[v]).values()) for v in ("before", "after")]
                         t = interleaved(variants, args.repeats, args.block)
-                        path = "copy" if new_plan.from_zero else "copy + gather"
-                        rows.append([dtype_name, layout, B, T, W, path, f"{ops[0]} → {ops[1]}", us(t["before"]), us(t["after"]),
+                        blocks = len(next(iter(new_plan.layouts.values())).buffers.blocks)
+                        path = ("copy" if new_plan.from_zero else "gather") + (f" ({blocks} blocks)" if blocks > 1 else "")
+                        rows.append([dtype_name, layout, B, T, W, path, f"{ops[0]} → {ops[1]}", us(t["before"]),
+                                     us(t["after"]),
                                      f"{statistics.median(t['before']) / statistics.median(t['after']):.1f}x",
                                      us(t["sdpa"]), us(t["plan before"]), us(t["plan after"])])
                         print(" | ".join(str(c) for c in rows[-1]), flush=True)
@@ -244,7 +246,7 @@ def main(argv=None) -> None:
     print(machine_line(machine()) + f"; timed by {args.clock} time")
     if args.what in ("calls", "all"):
         rows = run_calls(args, old)
-        print(md_table(["dtype", "layout", "B", "T", "W", "after's staging", "ops", "before µs", "after µs",
+        print(md_table(["dtype", "layout", "B", "T", "W", "after stages by", "ops", "before µs", "after µs",
                         "speed-up", "SDPA µs", "plan before µs", "plan after µs"], rows, right=range(2, 13)))
     if args.what in ("step", "all"):
         rows = run_step(args, old)

@@ -11,7 +11,6 @@ import math
 import random
 from typing import NamedTuple
 
-import pytest
 import torch
 
 from specdec.kernels import bi_attention as ba
@@ -194,7 +193,8 @@ def test_lean_path_has_the_frozen_references_bits():
         for _ in range(60):
             B = g.choice((1, 1, 2, 3, 8, 32))
             T = g.choice((1, 1, 2, 4, 6, 9))
-            layout = g.choice(("ragged", "shifted", "left", "left", "prefill") if T > 1 else ("ragged", "shifted", "left"))
+            layouts = ("ragged", "shifted", "left", "left", "prefill") if T > 1 else ("ragged", "shifted", "left")
+            layout = g.choice(layouts)
             W = T if layout == "prefill" else g.choice((T, 5, 63, 64, 65, 128, 200, 333, 1000))
             W = max(W, T)
             group = g.choice(GROUPS)
@@ -225,8 +225,9 @@ def test_plans_taking_turns_on_one_workspace_keep_their_bits():
     g, gen = random.Random(7), torch.Generator().manual_seed(7)
     workspace = ba.Workspace()
     H, Hkv, D = GROUPS[0]
-    masks = [random_step(g, 2, 1, 150, "ragged"), random_step(g, 2, 1, 129, "ragged"), random_step(g, 2, 1, 190, "ragged"),
-             random_step(g, 2, 1, 170, "left"), random_step(g, 3, 6, 300, "left"), random_step(g, 1, 1, 150, "ragged")]
+    masks = [random_step(g, 2, 1, 150, "ragged"), random_step(g, 2, 1, 129, "ragged"),
+             random_step(g, 2, 1, 190, "ragged"), random_step(g, 2, 1, 170, "left"), random_step(g, 3, 6, 300, "left"),
+             random_step(g, 1, 1, 150, "ragged")]
     plans = [ba.chunk_plan(m, ba.first_keys(m), H // Hkv, Hkv, m.shape[2], workspace=workspace) for m in masks]
     assert [p.from_zero for p in plans] == [True, True, True, False, False, True] and not plans[0].blind
     assert plans[5].masked_from == plans[5].chunks - 1  # one row at its full width: only the last chunk masks
