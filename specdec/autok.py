@@ -48,7 +48,8 @@ import torch
 from specdec import timing
 
 DEFAULT_BUDGET_S = 2.0
-COST_MODEL_VERSION = 2  # in the cache key: tables of an older grid are measured again
+COST_MODEL_VERSION = 3  # in the cache key: tables of an older grid are measured again (3: smaller
+# batches' one-token forwards always timed)
 CATCH_UP_TOKENS = 64  # the draft is also timed at this many tokens per row (capped by the context): a catch-up
 EXPLORE_ACCEPTANCE = 0.8  # exploring is worth it only where a draft accepting this often would pay
 SCALE_WINDOW = 9  # steps in the robust (median) estimate of measured over predicted step time
@@ -96,11 +97,15 @@ class CostTable:
 
 
 def grid(batch_size: int, k_max: int, context: int = 2) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(rows, new tokens) shapes to time, most useful first: target at every verify length of a full
-    batch and at T = 1 for smaller batches; draft at T = 1 and 2 of a full batch, a catch-up of up to
-    CATCH_UP_TOKENS per row, then T = 1 for every power-of-two batch."""
+    """(rows, new tokens) shapes to time, most useful first: target at T = 1 and 2 of a full batch, at
+    T = 1 for every smaller power-of-two batch (a run's tail, where fewer rows remain: below its smallest
+    point the table is flat, so without them a verify of k + 1 tokens per row there would cost what one
+    token per row costs, and drafting would look free), then the longer verify lengths of a full batch;
+    draft at T = 1 and 2 of a full batch, a catch-up of up to CATCH_UP_TOKENS per row, then T = 1 for
+    every power-of-two batch."""
     sizes = sorted({min(2 ** i, batch_size) for i in range(batch_size.bit_length() + 1)})
-    target = [(batch_size, t) for t in range(1, k_max + 2)] + [(b, 1) for b in sizes if b < batch_size]
+    target = ([(batch_size, t) for t in range(1, min(k_max + 1, 2) + 1)] + [(b, 1) for b in sizes if b < batch_size]
+              + [(batch_size, t) for t in range(3, k_max + 2)])
     catch_up = min(context, CATCH_UP_TOKENS)
     draft = [(batch_size, 1), (batch_size, 2)] + ([(batch_size, catch_up)] if catch_up > 2 else [])
     draft += [(b, 1) for b in sizes if b < batch_size] + [(1, 2)]
@@ -117,17 +122,21 @@ def time_forward(model, rows: int, new_tokens: int, context: int, vocab: int, re
 
 def calibrate(target, draft, batch_size: int, k_max: int, context: int, vocab: int,
               budget_s: float = DEFAULT_BUDGET_S) -> CostTable:
-    """Time the grid's shapes, most useful first, until the budget is spent (at least the first two of
-    each model). Three repeats per shape, one if the forwards are slow. Warm-ups do not count against the
-    budget: with compile=True the first forward of a new shape compiles, which is not what a step costs."""
+    """Time the grid's shapes, most useful first, until the budget is spent (at least the target at T = 1
+    and 2 of a full batch and at T = 1 of every smaller batch, and the draft's first three shapes). Three
+    repeats per shape, one if the forwards are slow. Warm-ups do not count against the budget: with
+    compile=True the first forward of a new shape compiles, which is not what a step costs."""
     t_grid, d_grid = grid(batch_size, k_max, context)
     if draft is None:  # a proposer without a model: its drafts cost no forward (an empty draft table)
         d_grid = []
     tables: dict[str, dict[int, float]] = {"target": {}, "draft": {}}
     start, excluded = time.perf_counter(), 0.0
-    plan = [("target", target, s, "all") for s in t_grid[:2]] + [("draft", draft, s, "last") for s in d_grid[:3]]
-    required = len(plan)  # always timed, whatever the budget
-    plan += [("target", target, s, "all") for s in t_grid[2:]] + [("draft", draft, s, "last") for s in d_grid[3:]]
+    t_required = sum(T <= 2 for _, T in t_grid)  # a full batch's T = 1 and 2, every smaller batch's T = 1
+    plan = ([("target", target, s, "all") for s in t_grid[:t_required]]
+            + [("draft", draft, s, "last") for s in d_grid[:3]])
+    required = len(plan)  # always timed, whatever the budget (the smaller batches' one-token forwards are cheap)
+    plan += ([("target", target, s, "all") for s in t_grid[t_required:]]
+             + [("draft", draft, s, "last") for s in d_grid[3:]])
     for i, (name, model, (rows, T), logits) in enumerate(plan):
         spent = time.perf_counter() - start - excluded
         if i >= required and spent > budget_s:

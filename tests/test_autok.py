@@ -304,3 +304,31 @@ def test_a_lookup_does_not_plan_while_auto_k_is_settled_at_zero(pair, reference,
     assert [o.token_ids for o in outs] == expected
     steps = outs.metrics.steps
     assert set(outs.metrics.k_histogram) == {0} and len(planned) < steps / 8, (len(planned), steps)
+
+
+def test_calibration_times_every_smaller_batch_so_a_runs_tail_does_not_draft_for_free(monkeypatch):
+    """Issue 41: a run of 36 requests at batch 32 ends with 4 rows. A table holding only full-batch points is
+    flat below them, so there a verify of 8 tokens per row (M = 32) cost what one token per row costs, and auto k
+    drafted k = 7-8 where each such step cost ~3.3x an AR step (the 0.89x of batch 32). Even with no budget
+    left, the smaller batches' one-token forwards are timed; on a compute-bound target the tail then stays
+    at k = 0."""
+    from specdec import autok
+
+    timed = []
+
+    def compute_bound(model, rows, new_tokens, context, vocab, repeats, logits):  # t = 1 ms per token
+        timed.append((rows, new_tokens))
+        return rows * new_tokens * 1e-3, 0.0
+
+    monkeypatch.setattr(autok, "time_forward", compute_bound)
+    table = calibrate(object(), None, batch_size=32, k_max=8, context=100, vocab=131, budget_s=0.0)
+    assert {1, 2, 4, 8, 16, 32, 64} <= set(table.target), table.target
+    assert timed[:2] == [(32, 1), (32, 2)] and not any(T > 2 for _, T in timed)  # nothing past the required
+    chooser = KChooser(8, table)
+    chooser.offered = 100  # acceptance measured: no exploring
+    for rows in (1, 2, 4):  # the tail: a verify of k + 1 tokens per row costs k + 1 one-token steps
+        for r in (batch := FakeBatch([200] * rows, [0] * rows, [60] * rows)).requests:
+            r.acceptance = [0.5 * 10, 10.0]
+        batch.draft_cache = None  # a lookup
+        assert chooser.choose(batch, offers=[8] * rows) == 0, rows
+
