@@ -361,13 +361,21 @@ class KChooser:
         model: nothing to catch up) `choose` then returns 0; the step is recorded as `choose` records it."""
         B = len(batch)
         alphas = [self.alpha(r) for r in batch.requests]
-        if self.best_k(alphas, B):
-            return False
-        if self.explores(alphas, B, self.zero_streak + 1, first_draft_tokens=2, tokens=0):  # (no catch-up)
+        # first with every row at the best row's acceptance (one row's rates stand for all: B x the tokens at
+        # the same cost): a row's expected tokens grow with its acceptance, so if no k >= 1 wins there, none
+        # wins for the rows as they are -- the common case at a settled zero, without B x (k_max + 1) terms
+        # per step; only if that bound fails are the rows weighed one by one
+        if not self._zero_wins([max(alphas, default=0.0)], B) and not self._zero_wins(alphas, B):
             return False
         self.zero_streak += 1
         self.last = (B, 0, 2, self.step_time(B, 0))
         return True
+
+    def _zero_wins(self, alphas: list[float], B: int) -> bool:
+        """k = 0 beats every k >= 1 for rows of acceptances `alphas` (on B rows: a lookup's full offers, at
+        steady state), and no exploration step at the next streak would pay either (no catch-up)."""
+        return not self.best_k(alphas, B) and not self.explores(alphas, B, self.zero_streak + 1,
+                                                                 first_draft_tokens=2, tokens=0)
 
     def choose(self, batch, offers: list[int] | None = None) -> int:
         """k for the next step of `batch`; `offers`: the drafts each row has (a lookup proposer), None

@@ -332,3 +332,76 @@ def test_calibration_times_every_smaller_batch_so_a_runs_tail_does_not_draft_for
         batch.draft_cache = None  # a lookup
         assert chooser.choose(batch, offers=[8] * rows) == 0, rows
 
+
+def _one_step_profile(engine):
+    """(torch op counts, host reads by tolist, Python calls) of one Engine.step."""
+    import cProfile
+    import collections
+    import pstats
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    reads = [0]
+    tolist = torch.Tensor.tolist
+
+    def counted(self):
+        reads[0] += 1
+        return tolist(self)
+
+    torch.Tensor.tolist = counted
+    calls = cProfile.Profile()
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            calls.enable()
+            engine.step()
+            calls.disable()
+    finally:
+        torch.Tensor.tolist = tolist
+    return collections.Counter(e.name for e in prof.events()), reads[0], pstats.Stats(calls).total_calls
+
+
+@pytest.mark.parametrize("method", ["ragged", "eqspec"])
+def test_a_step_settled_at_zero_costs_what_an_ar_step_costs(pair, method, monkeypatch):
+    """Issue 41 (k = 0 costs what AR costs): at a batch where no draft can pay, a lookup method's step is an AR
+    step: the same torch ops (ragged: op for op; eqspec's left-padded layout writes its K/V by slice instead of
+    scatter), the same single host read, no planning, and a bounded, batch-size-independent amount of chooser
+    work (it was (k_max + 1) x B terms per step: ~1200 Python calls at batch 32)."""
+    from specdec.proposers import base
+
+    planned = []
+    real = base.LookupProposer.plan
+    monkeypatch.setattr(base.LookupProposer, "plan", lambda self, batch, k: planned.append(1) or real(self, batch, k))
+    prompts = mixed_prompts(32, seed=3)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    extra = {}
+    for B in (8, 32):
+        steps = {}
+        for name in ("ar", "suffix"):
+            if name == "ar":
+                llm = LLM(pair[0], method="ar", batch_size=B, dtype="float32", check_invariants=False, cost_cache="")
+            else:
+                llm = LLM(pair[0], draft="suffix", method=method, batch_size=B, dtype="float32",
+                          check_invariants=False, cost_cache="", max_speculative_tokens=8)
+                llm.chooser = GivenCostChooser(8, linear_costs(1e-5, 1e-3, 0.5e-3, 0.1e-3))  # compute-bound
+            engine = llm.engine(stream_text=False)
+            for p in prompts[:B]:
+                engine.add_request(p, params)
+            for _ in range(3):  # the prefill, then decoding steps
+                engine.step()
+            forwards = engine.metrics.target_forwards
+            steps[name] = _one_step_profile(engine)
+            assert engine.metrics.target_forwards == forwards + 1 and set(engine.metrics.k_histogram) == {0}
+        (ar_ops, ar_reads, ar_calls), (ops, reads, calls) = steps["ar"], steps["suffix"]
+        assert reads == ar_reads == 1
+        sync = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero")
+        assert [ops[s] for s in sync] == [ar_ops[s] for s in sync]
+        if method == "ragged":
+            assert ops == ar_ops
+        else:  # the same ops but the K/V write: a slice copy per layer and tensor instead of a scatter
+            assert ops["aten::copy_"] - ar_ops["aten::copy_"] == ar_ops["aten::scatter_"] - ops["aten::scatter_"]
+        extra[B] = calls - ar_calls
+    assert not planned
+    # per row a few calls: its acceptance estimate, whether it finished, eqspec's realignment check (it was
+    # 2 x (k_max + 1) terms per row more: ~25 calls)
+    assert extra[32] - extra[8] <= 8 * (32 - 8) and extra[32] < 1000, extra
