@@ -27,7 +27,10 @@
   k = 0, one step with the best k >= 1 measures the acceptance (new requests would otherwise never be
   measured) -- but only where a good draft (acceptance EXPLORE_ACCEPTANCE) could pay back the catch-up
   over the tokens left: where even a good draft cannot win (a large batch on a compute-bound target), the
-  run costs exactly what AR costs, the draft never runs.
+  run costs exactly what AR costs, the draft never runs. And the mirror image (`measures_zero`): after the
+  first drafting step while no k = 0 step has been timed, then after `explore_every` drafting steps in a
+  row, one step takes k = 0 to measure what it costs (unmeasured, it borrows the drafting steps' scale,
+  and a table that underprices a verify would keep a large batch drafting for good).
 
 Everything the chooser reads is on the host (lengths, accepted counts already read back, wall times):
 it adds no synchronisation.
@@ -268,6 +271,8 @@ class KChooser:
         self.scale: dict[tuple[int, bool], float] = {}  # (B, k > 0) -> median of the recent measured / forwards
         self.scale_samples: dict[tuple[int, bool], deque] = {}
         self.zero_streak = 0
+        self.zero_measured = False  # a k = 0 step's wall time has been observed (its scale is its own)
+        self.drafted_since_zero = 0  # steps observed at k > 0 since the last k = 0 step
         self.last = (0, 0, 2, 0.0)  # the last choice: (B, k, first draft tokens, predicted seconds)
         self.key: str | None = None  # the cost cache entry `costs` came from
 
@@ -391,9 +396,12 @@ class KChooser:
         k = self.best_k(alphas, B, offers=offers)  # at steady state: a catch-up is paid once, weighed next
         if k and first > 2 and not self.pays_back(alphas, B, k, first, left, offers):
             k = 0
+        measuring = bool(k) and self.measures_zero()
+        if measuring:
+            k = 0
         if k == 0:
             self.zero_streak += 1
-            if self.explores(alphas, B, self.zero_streak, first, left, offers):
+            if not measuring and self.explores(alphas, B, self.zero_streak, first, left, offers):
                 k = self.best_k(alphas, B, least=1, offers=offers)
         if k:
             self.zero_streak = 0
@@ -401,10 +409,22 @@ class KChooser:
         self.last = (B, width, first, self.step_time(B, width, first))
         return k
 
+    def measures_zero(self) -> bool:
+        """Whether a step that would draft takes k = 0 instead, to measure it: after the first drafting step
+        while no k = 0 step has been timed (k = 0 then borrows the drafting steps' scale, so a table that
+        underprices a verify -- one noisy calibration forward on a shared machine -- kept a batch of 32
+        drafting at 0.57x AR, its k = 0 never measured), then after `explore_every` drafting steps in a row
+        (the mirror of exploration). A k = 0 step costs what an AR step costs."""
+        return self.drafted_since_zero >= (self.explore_every if self.zero_measured else 1)
+
     def observe(self, seconds: float) -> float:
         """The last chosen step's measured wall time refines the cost model's scale (`_scale`). Returns the
         time that was predicted for it."""
         B, k, first_draft_tokens, predicted = self.last
+        if k:
+            self.drafted_since_zero += 1
+        else:
+            self.zero_measured, self.drafted_since_zero = True, 0
         samples = self.scale_samples.setdefault((B, k > 0), deque(maxlen=SCALE_WINDOW))
         samples.append(seconds / max(self.costs.forwards_time(B, k, first_draft_tokens), 1e-9))
         self.scale[(B, k > 0)] = statistics.median(samples)
@@ -426,7 +446,8 @@ class KChooser:
         pooled acceptance, the last choice), so that two engines on one LLM never see each other's steps.
         A subclass (a test's scripted chooser) is copied whole."""
         chooser = copy.deepcopy(self)
-        chooser.zero_streak = 0
+        chooser.zero_streak = chooser.drafted_since_zero = 0
+        chooser.zero_measured = False
         chooser.last = (0, 0, 2, 0.0)  # not drafting: the first prefill leaves the draft for the chooser
         return chooser
 

@@ -405,3 +405,25 @@ def test_a_step_settled_at_zero_costs_what_an_ar_step_costs(pair, method, monkey
     # per row a few calls: its acceptance estimate, whether it finished, eqspec's realignment check (it was
     # 2 x (k_max + 1) terms per row more: ~25 calls)
     assert extra[32] - extra[8] <= 8 * (32 - 8) and extra[32] < 1000, extra
+
+
+def test_a_table_that_underprices_a_verify_does_not_keep_a_large_batch_drafting():
+    """Issue 41: a table whose verify points were timed in a lull (here t(64) = 1.1 t(32), truly 2x on a
+    compute-bound CPU) made the chooser draft; the k = 0 scale, never measured, borrowed the drafting steps' own,
+    so the table's ratio decided for good and a batch of 32 drafted at 0.57x AR. Auto k now times one k = 0 step
+    after its first drafting step (and after every `explore_every` drafting steps in a row), and settles at 0."""
+    true = lambda m: 1e-3 * m  # noqa: E731 -- seconds of a forward of M tokens
+    lull = CostTable({32: true(32), 64: 1.1 * true(32), 96: 1.2 * true(32), 288: 1.5 * true(32)}, {})
+    chooser = KChooser(8, lull)
+    batch = FakeBatch([200] * 32, [0] * 32, [500] * 32)
+    batch.draft_cache = None  # a lookup
+    ks = []
+    for _ in range(100):
+        k = chooser.choose(batch, offers=[3] * 32)
+        width = chooser.last[1]
+        chooser.observe(true(32 * (width + 1)))
+        if k:  # every row accepts half of what it was offered
+            chooser.record_acceptance(batch.requests, [k] * 32, [k // 2] * 32)
+        ks.append(k)
+    assert ks[0] >= 1 and ks[1] == 0, ks[:5]  # it drafted, then measured k = 0
+    assert sum(k > 0 for k in ks) <= 4 and not any(ks[10:]), ks
