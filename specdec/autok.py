@@ -27,7 +27,10 @@
   k = 0, one step with the best k >= 1 measures the acceptance (new requests would otherwise never be
   measured) -- but only where a good draft (acceptance EXPLORE_ACCEPTANCE) could pay back the catch-up
   over the tokens left: where even a good draft cannot win (a large batch on a compute-bound target), the
-  run costs exactly what AR costs, the draft never runs.
+  run costs exactly what AR costs, the draft never runs. And the mirror image (`measures_zero`): after the
+  first drafting step while no k = 0 step has been timed, then after `explore_every` drafting steps in a
+  row, one step takes k = 0 to measure what it costs (unmeasured, it borrows the drafting steps' scale,
+  and a table that underprices a verify would keep a large batch drafting for good).
 
 Everything the chooser reads is on the host (lengths, accepted counts already read back, wall times):
 it adds no synchronisation.
@@ -48,7 +51,8 @@ import torch
 from specdec import timing
 
 DEFAULT_BUDGET_S = 2.0
-COST_MODEL_VERSION = 2  # in the cache key: tables of an older grid are measured again
+COST_MODEL_VERSION = 3  # in the cache key: tables of an older grid are measured again (3: smaller
+# batches' one-token forwards always timed)
 CATCH_UP_TOKENS = 64  # the draft is also timed at this many tokens per row (capped by the context): a catch-up
 EXPLORE_ACCEPTANCE = 0.8  # exploring is worth it only where a draft accepting this often would pay
 SCALE_WINDOW = 9  # steps in the robust (median) estimate of measured over predicted step time
@@ -96,11 +100,15 @@ class CostTable:
 
 
 def grid(batch_size: int, k_max: int, context: int = 2) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(rows, new tokens) shapes to time, most useful first: target at every verify length of a full
-    batch and at T = 1 for smaller batches; draft at T = 1 and 2 of a full batch, a catch-up of up to
-    CATCH_UP_TOKENS per row, then T = 1 for every power-of-two batch."""
+    """(rows, new tokens) shapes to time, most useful first: target at T = 1 and 2 of a full batch, at
+    T = 1 for every smaller power-of-two batch (a run's tail, where fewer rows remain: below its smallest
+    point the table is flat, so without them a verify of k + 1 tokens per row there would cost what one
+    token per row costs, and drafting would look free), then the longer verify lengths of a full batch;
+    draft at T = 1 and 2 of a full batch, a catch-up of up to CATCH_UP_TOKENS per row, then T = 1 for
+    every power-of-two batch."""
     sizes = sorted({min(2 ** i, batch_size) for i in range(batch_size.bit_length() + 1)})
-    target = [(batch_size, t) for t in range(1, k_max + 2)] + [(b, 1) for b in sizes if b < batch_size]
+    target = ([(batch_size, t) for t in range(1, min(k_max + 1, 2) + 1)] + [(b, 1) for b in sizes if b < batch_size]
+              + [(batch_size, t) for t in range(3, k_max + 2)])
     catch_up = min(context, CATCH_UP_TOKENS)
     draft = [(batch_size, 1), (batch_size, 2)] + ([(batch_size, catch_up)] if catch_up > 2 else [])
     draft += [(b, 1) for b in sizes if b < batch_size] + [(1, 2)]
@@ -117,17 +125,21 @@ def time_forward(model, rows: int, new_tokens: int, context: int, vocab: int, re
 
 def calibrate(target, draft, batch_size: int, k_max: int, context: int, vocab: int,
               budget_s: float = DEFAULT_BUDGET_S) -> CostTable:
-    """Time the grid's shapes, most useful first, until the budget is spent (at least the first two of
-    each model). Three repeats per shape, one if the forwards are slow. Warm-ups do not count against the
-    budget: with compile=True the first forward of a new shape compiles, which is not what a step costs."""
+    """Time the grid's shapes, most useful first, until the budget is spent (at least the target at T = 1
+    and 2 of a full batch and at T = 1 of every smaller batch, and the draft's first three shapes). Three
+    repeats per shape, one if the forwards are slow. Warm-ups do not count against the budget: with
+    compile=True the first forward of a new shape compiles, which is not what a step costs."""
     t_grid, d_grid = grid(batch_size, k_max, context)
     if draft is None:  # a proposer without a model: its drafts cost no forward (an empty draft table)
         d_grid = []
     tables: dict[str, dict[int, float]] = {"target": {}, "draft": {}}
     start, excluded = time.perf_counter(), 0.0
-    plan = [("target", target, s, "all") for s in t_grid[:2]] + [("draft", draft, s, "last") for s in d_grid[:3]]
-    required = len(plan)  # always timed, whatever the budget
-    plan += [("target", target, s, "all") for s in t_grid[2:]] + [("draft", draft, s, "last") for s in d_grid[3:]]
+    t_required = sum(T <= 2 for _, T in t_grid)  # a full batch's T = 1 and 2, every smaller batch's T = 1
+    plan = ([("target", target, s, "all") for s in t_grid[:t_required]]
+            + [("draft", draft, s, "last") for s in d_grid[:3]])
+    required = len(plan)  # always timed, whatever the budget (the smaller batches' one-token forwards are cheap)
+    plan += ([("target", target, s, "all") for s in t_grid[t_required:]]
+             + [("draft", draft, s, "last") for s in d_grid[3:]])
     for i, (name, model, (rows, T), logits) in enumerate(plan):
         spent = time.perf_counter() - start - excluded
         if i >= required and spent > budget_s:
@@ -259,6 +271,8 @@ class KChooser:
         self.scale: dict[tuple[int, bool], float] = {}  # (B, k > 0) -> median of the recent measured / forwards
         self.scale_samples: dict[tuple[int, bool], deque] = {}
         self.zero_streak = 0
+        self.zero_measured = False  # a k = 0 step's wall time has been observed (its scale is its own)
+        self.drafted_since_zero = 0  # steps observed at k > 0 since the last k = 0 step
         self.last = (0, 0, 2, 0.0)  # the last choice: (B, k, first draft tokens, predicted seconds)
         self.key: str | None = None  # the cost cache entry `costs` came from
 
@@ -352,13 +366,21 @@ class KChooser:
         model: nothing to catch up) `choose` then returns 0; the step is recorded as `choose` records it."""
         B = len(batch)
         alphas = [self.alpha(r) for r in batch.requests]
-        if self.best_k(alphas, B):
-            return False
-        if self.explores(alphas, B, self.zero_streak + 1, first_draft_tokens=2, tokens=0):  # (no catch-up)
+        # first with every row at the best row's acceptance (one row's rates stand for all: B x the tokens at
+        # the same cost): a row's expected tokens grow with its acceptance, so if no k >= 1 wins there, none
+        # wins for the rows as they are -- the common case at a settled zero, without B x (k_max + 1) terms
+        # per step; only if that bound fails are the rows weighed one by one
+        if not self._zero_wins([max(alphas, default=0.0)], B) and not self._zero_wins(alphas, B):
             return False
         self.zero_streak += 1
         self.last = (B, 0, 2, self.step_time(B, 0))
         return True
+
+    def _zero_wins(self, alphas: list[float], B: int) -> bool:
+        """k = 0 beats every k >= 1 for rows of acceptances `alphas` (on B rows: a lookup's full offers, at
+        steady state), and no exploration step at the next streak would pay either (no catch-up)."""
+        return not self.best_k(alphas, B) and not self.explores(alphas, B, self.zero_streak + 1,
+                                                                 first_draft_tokens=2, tokens=0)
 
     def choose(self, batch, offers: list[int] | None = None) -> int:
         """k for the next step of `batch`; `offers`: the drafts each row has (a lookup proposer), None
@@ -374,9 +396,12 @@ class KChooser:
         k = self.best_k(alphas, B, offers=offers)  # at steady state: a catch-up is paid once, weighed next
         if k and first > 2 and not self.pays_back(alphas, B, k, first, left, offers):
             k = 0
+        measuring = bool(k) and self.measures_zero()
+        if measuring:
+            k = 0
         if k == 0:
             self.zero_streak += 1
-            if self.explores(alphas, B, self.zero_streak, first, left, offers):
+            if not measuring and self.explores(alphas, B, self.zero_streak, first, left, offers):
                 k = self.best_k(alphas, B, least=1, offers=offers)
         if k:
             self.zero_streak = 0
@@ -384,10 +409,22 @@ class KChooser:
         self.last = (B, width, first, self.step_time(B, width, first))
         return k
 
+    def measures_zero(self) -> bool:
+        """Whether a step that would draft takes k = 0 instead, to measure it: after the first drafting step
+        while no k = 0 step has been timed (k = 0 then borrows the drafting steps' scale, so a table that
+        underprices a verify -- one noisy calibration forward on a shared machine -- kept a batch of 32
+        drafting at 0.57x AR, its k = 0 never measured), then after `explore_every` drafting steps in a row
+        (the mirror of exploration). A k = 0 step costs what an AR step costs."""
+        return self.drafted_since_zero >= (self.explore_every if self.zero_measured else 1)
+
     def observe(self, seconds: float) -> float:
         """The last chosen step's measured wall time refines the cost model's scale (`_scale`). Returns the
         time that was predicted for it."""
         B, k, first_draft_tokens, predicted = self.last
+        if k:
+            self.drafted_since_zero += 1
+        else:
+            self.zero_measured, self.drafted_since_zero = True, 0
         samples = self.scale_samples.setdefault((B, k > 0), deque(maxlen=SCALE_WINDOW))
         samples.append(seconds / max(self.costs.forwards_time(B, k, first_draft_tokens), 1e-9))
         self.scale[(B, k > 0)] = statistics.median(samples)
@@ -409,7 +446,8 @@ class KChooser:
         pooled acceptance, the last choice), so that two engines on one LLM never see each other's steps.
         A subclass (a test's scripted chooser) is copied whole."""
         chooser = copy.deepcopy(self)
-        chooser.zero_streak = 0
+        chooser.zero_streak = chooser.drafted_since_zero = 0
+        chooser.zero_measured = False
         chooser.last = (0, 0, 2, 0.0)  # not drafting: the first prefill leaves the draft for the chooser
         return chooser
 

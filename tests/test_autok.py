@@ -304,3 +304,126 @@ def test_a_lookup_does_not_plan_while_auto_k_is_settled_at_zero(pair, reference,
     assert [o.token_ids for o in outs] == expected
     steps = outs.metrics.steps
     assert set(outs.metrics.k_histogram) == {0} and len(planned) < steps / 8, (len(planned), steps)
+
+
+def test_calibration_times_every_smaller_batch_so_a_runs_tail_does_not_draft_for_free(monkeypatch):
+    """Issue 41: a run of 36 requests at batch 32 ends with 4 rows. A table holding only full-batch points is
+    flat below them, so there a verify of 8 tokens per row (M = 32) cost what one token per row costs, and auto k
+    drafted k = 7-8 where each such step cost ~3.3x an AR step (the 0.89x of batch 32). Even with no budget
+    left, the smaller batches' one-token forwards are timed; on a compute-bound target the tail then stays
+    at k = 0."""
+    from specdec import autok
+
+    timed = []
+
+    def compute_bound(model, rows, new_tokens, context, vocab, repeats, logits):  # t = 1 ms per token
+        timed.append((rows, new_tokens))
+        return rows * new_tokens * 1e-3, 0.0
+
+    monkeypatch.setattr(autok, "time_forward", compute_bound)
+    table = calibrate(object(), None, batch_size=32, k_max=8, context=100, vocab=131, budget_s=0.0)
+    assert {1, 2, 4, 8, 16, 32, 64} <= set(table.target), table.target
+    assert timed[:2] == [(32, 1), (32, 2)] and not any(T > 2 for _, T in timed)  # nothing past the required
+    chooser = KChooser(8, table)
+    chooser.offered = 100  # acceptance measured: no exploring
+    for rows in (1, 2, 4):  # the tail: a verify of k + 1 tokens per row costs k + 1 one-token steps
+        for r in (batch := FakeBatch([200] * rows, [0] * rows, [60] * rows)).requests:
+            r.acceptance = [0.5 * 10, 10.0]
+        batch.draft_cache = None  # a lookup
+        assert chooser.choose(batch, offers=[8] * rows) == 0, rows
+
+
+def _one_step_profile(engine):
+    """(torch op counts, host reads by tolist, Python calls) of one Engine.step."""
+    import cProfile
+    import collections
+    import pstats
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    reads = [0]
+    tolist = torch.Tensor.tolist
+
+    def counted(self):
+        reads[0] += 1
+        return tolist(self)
+
+    torch.Tensor.tolist = counted
+    calls = cProfile.Profile()
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            calls.enable()
+            engine.step()
+            calls.disable()
+    finally:
+        torch.Tensor.tolist = tolist
+    return collections.Counter(e.name for e in prof.events()), reads[0], pstats.Stats(calls).total_calls
+
+
+@pytest.mark.parametrize("method", ["ragged", "eqspec"])
+def test_a_step_settled_at_zero_costs_what_an_ar_step_costs(pair, method, monkeypatch):
+    """Issue 41 (k = 0 costs what AR costs): at a batch where no draft can pay, a lookup method's step is an AR
+    step: the same torch ops (ragged: op for op; eqspec's left-padded layout writes its K/V by slice instead of
+    scatter), the same single host read, no planning, and a bounded, batch-size-independent amount of chooser
+    work (it was (k_max + 1) x B terms per step: ~1200 Python calls at batch 32)."""
+    from specdec.proposers import base
+
+    planned = []
+    real = base.LookupProposer.plan
+    monkeypatch.setattr(base.LookupProposer, "plan", lambda self, batch, k: planned.append(1) or real(self, batch, k))
+    prompts = mixed_prompts(32, seed=3)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    extra = {}
+    for B in (8, 32):
+        steps = {}
+        for name in ("ar", "suffix"):
+            if name == "ar":
+                llm = LLM(pair[0], method="ar", batch_size=B, dtype="float32", check_invariants=False, cost_cache="")
+            else:
+                llm = LLM(pair[0], draft="suffix", method=method, batch_size=B, dtype="float32",
+                          check_invariants=False, cost_cache="", max_speculative_tokens=8)
+                llm.chooser = GivenCostChooser(8, linear_costs(1e-5, 1e-3, 0.5e-3, 0.1e-3))  # compute-bound
+            engine = llm.engine(stream_text=False)
+            for p in prompts[:B]:
+                engine.add_request(p, params)
+            for _ in range(3):  # the prefill, then decoding steps
+                engine.step()
+            forwards = engine.metrics.target_forwards
+            steps[name] = _one_step_profile(engine)
+            assert engine.metrics.target_forwards == forwards + 1 and set(engine.metrics.k_histogram) == {0}
+        (ar_ops, ar_reads, ar_calls), (ops, reads, calls) = steps["ar"], steps["suffix"]
+        assert reads == ar_reads == 1
+        sync = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero")
+        assert [ops[s] for s in sync] == [ar_ops[s] for s in sync]
+        if method == "ragged":
+            assert ops == ar_ops
+        else:  # the same ops but the K/V write: a slice copy per layer and tensor instead of a scatter
+            assert ops["aten::copy_"] - ar_ops["aten::copy_"] == ar_ops["aten::scatter_"] - ops["aten::scatter_"]
+        extra[B] = calls - ar_calls
+    assert not planned
+    # per row a few calls: its acceptance estimate, whether it finished, eqspec's realignment check (it was
+    # 2 x (k_max + 1) terms per row more: ~25 calls)
+    assert extra[32] - extra[8] <= 8 * (32 - 8) and extra[32] < 1000, extra
+
+
+def test_a_table_that_underprices_a_verify_does_not_keep_a_large_batch_drafting():
+    """Issue 41: a table whose verify points were timed in a lull (here t(64) = 1.1 t(32), truly 2x on a
+    compute-bound CPU) made the chooser draft; the k = 0 scale, never measured, borrowed the drafting steps' own,
+    so the table's ratio decided for good and a batch of 32 drafted at 0.57x AR. Auto k now times one k = 0 step
+    after its first drafting step (and after every `explore_every` drafting steps in a row), and settles at 0."""
+    true = lambda m: 1e-3 * m  # noqa: E731 -- seconds of a forward of M tokens
+    lull = CostTable({32: true(32), 64: 1.1 * true(32), 96: 1.2 * true(32), 288: 1.5 * true(32)}, {})
+    chooser = KChooser(8, lull)
+    batch = FakeBatch([200] * 32, [0] * 32, [500] * 32)
+    batch.draft_cache = None  # a lookup
+    ks = []
+    for _ in range(100):
+        k = chooser.choose(batch, offers=[3] * 32)
+        width = chooser.last[1]
+        chooser.observe(true(32 * (width + 1)))
+        if k:  # every row accepts half of what it was offered
+            chooser.record_acceptance(batch.requests, [k] * 32, [k // 2] * 32)
+        ks.append(k)
+    assert ks[0] >= 1 and ks[1] == 0, ks[:5]  # it drafted, then measured k = 0
+    assert sum(k > 0 for k in ks) <= 4 and not any(ks[10:]), ks
