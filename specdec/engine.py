@@ -79,7 +79,7 @@ class Engine:
         self.chooser = llm.chooser.for_engine() if llm.chooser is not None else None
         self.ctx = DecodeContext(llm.target, llm.draft, llm.options, llm.vocab_size, llm.device, self.metrics,
                                  PhaseTimer(self.metrics, llm.device, llm.options.profile), llm.target_name,
-                                 self.chooser, self.proposer)
+                                 self.chooser, self.proposer, llm.prefix_cache)
         self.metrics.drafter = None if self.proposer is None else self.proposer.name
         self.scheduler = SCHEDULERS[llm.method](self.ctx, self.batch_size)
         self._calibrated_rows = 0  # auto k: the batch size its cost table was measured at
@@ -217,13 +217,14 @@ class Engine:
         chooser = self.llm.chooser  # calibrated there: the costs are the models', shared by the LLM's engines
         if chooser is None:
             return
-        live = len(self.scheduler.running()) + len(self.scheduler.waiting)
+        queued = self.scheduler.queued()  # waiting, or being prefilled in chunks
+        live = len(self.scheduler.running()) + len(queued)
         if not live:
             return
         rows = min(self.batch_size, 1 << (live - 1).bit_length())
         if rows <= self._calibrated_rows:
             return
-        requests = self.scheduler.running() + list(self.scheduler.waiting)
+        requests = self.scheduler.running() + queued
         started = time.perf_counter()
         prepare_chooser(self.llm, chooser, requests, *self.llm.specs, rows)
         self.chooser.costs, self.chooser.key = chooser.costs, chooser.key
