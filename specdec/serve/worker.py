@@ -112,7 +112,13 @@ class EngineWorker:
         return {"generated_tokens": m.generated_tokens, "proposed_drafts": m.proposed_drafts,
                 "accepted_drafts": m.accepted_drafts, "steps": m.steps, "acceptance_rate": m.acceptance_rate,
                 "k_histogram": dict(m.k_histogram),
-                "drafts_by_drafter": {name: tuple(tally) for name, tally in m.drafts_by_drafter.items()}}
+                "drafts_by_drafter": {name: tuple(tally) for name, tally in m.drafts_by_drafter.items()},
+                "prefill_chunks": getattr(m, "prefill_chunks", 0), "prefix_cache": self._prefix_stats()}
+
+    def _prefix_stats(self) -> dict | None:
+        """The prefix cache's counters and bytes (None without one)."""
+        store = getattr(getattr(self.engine, "llm", None), "prefix_cache", None)
+        return None if store is None else store.stats()
 
     def _run(self) -> None:
         failures = 0
