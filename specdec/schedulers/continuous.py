@@ -139,6 +139,10 @@ class ContinuousScheduler:
         ctx, done = self.ctx, []
         with ctx.timer.phase("prefill"):
             store_finished(ctx, self.batch)  # prefix cache: finished (aborted) rows, before their rows are reused
+            if self.batch is not None and self.job is None and not self.running():
+                # no live row: the next batch is sized for the requests at hand (growing this one would zero and
+                # copy every row slot it reserved, for rows long gone: ~1 s per turn of a 2,000-token chat)
+                self.batch = None
             chunked, done = self._chunk()
             admitted = chunked is not None
             if chunked is not None:

@@ -310,6 +310,8 @@ class PoolScheduler:
             store_finished(ctx, self.pool.store, finished)  # prefix cache: before the slots are reused
             for s in finished:
                 self.pool.rows[s] = None
+            if not self.pool.live_slots() and self.job is None:
+                self.pool = None  # no live row: the next pool is sized for the requests at hand (not grown)
         if not self.waiting and self.job is None:
             return done
         with ctx.timer.phase("prefill"):
