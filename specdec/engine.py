@@ -93,6 +93,10 @@ class Engine:
         self._running = 0  # published by each step, for other threads
         self._checked = (0, 0)  # (rows, columns) whose caches were found to fit in memory
         self.stream_text = stream_text
+        # called inside `step()` with the deltas of its admissions (first tokens), right after they are made and
+        # before the step's decoding run, which then reports only what it adds: a server streams a newcomer's
+        # first token without waiting for that run (specdec/serve/worker.py); None: everything at the step's end
+        self.on_first_tokens = None
         self._detokenizers: dict[tuple, IncrementalDetokenizer] = {}  # (id, choice) -> its text so far (streaming)
 
     # ------------------------------------------------------------------------------------ requests
@@ -176,7 +180,10 @@ class Engine:
             raise RuntimeError("Engine.step() is already running in another thread; step from one thread")
         try:
             started, calibrated = time.perf_counter(), self.metrics.calibration_s
+            first_tokens = self.metrics.first_tokens
             batch = self._schedule()
+            if self.on_first_tokens is not None and self.metrics.first_tokens > first_tokens:
+                self.on_first_tokens(self._deltas())  # the newcomers' first tokens, before the decoding run
             if batch is not None:
                 run_started, rows = time.perf_counter(), len(batch)
                 out = decode_step(self.ctx, batch)  # run: every row's tokens, read from the device once
