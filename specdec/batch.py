@@ -307,6 +307,10 @@ class Batch:
             return
         edge = max(self.target_cache.host_length, default=0)
         starts = [edge - n for n in self.target_cache.host_length] if layout == LEFT_PADDED else [0] * len(self)
+        if starts == self.target_cache.host_start:  # already there (one row, or rows of one length)
+            for cache in self.caches():
+                cache.layout = layout
+            return
         rows = list(range(len(self)))
         for name, model in (("target_cache", ctx.target), ("draft_cache", ctx.draft)):
             old = getattr(self, name)
