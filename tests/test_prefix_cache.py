@@ -227,6 +227,42 @@ def test_running_rows_decode_between_the_chunks(pair, feature_pair, method):
     assert engine.metrics.prefill_chunks == chunks
 
 
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_aborts_during_a_chunked_prefill(pair, feature_pair, method):
+    """One choice of a long prompt aborted between its chunks: the others join with their first token; all
+    of them aborted: the chunked prefill is dropped and the next long prompt takes its place. The running
+    request's tokens are those of a run without any of it."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    alone = make_llm(pair, feature_pair, (method, "model", 2)).generate(prompt_token_ids=[[5, 6, 7]],
+                                                                       sampling_params=params)[0].token_ids
+    engine = make_llm(pair, feature_pair, (method, "model", 2), prefill_chunk=4).engine()
+    engine.add_request([5, 6, 7], params, request_id="running")
+    got, finished = {("running", 0): list(engine.step()[0].token_ids)}, {}
+    long_a, long_b = first_turns(2, seed=12)
+    engine.add_request(long_a, SamplingParams(n=3, max_tokens=3, ignore_eos=True), request_id="a")
+    engine.add_request(long_b, SamplingParams(max_tokens=3, ignore_eos=True), request_id="b")
+    for step in range(400):
+        if step == 2:
+            engine.abort("a", choice=1)
+        for d in engine.step():
+            got.setdefault((d.request_id, d.choice), []).extend(d.token_ids)
+            if d.finished:
+                finished[(d.request_id, d.choice)] = d.finish_reason
+        if step == 2 + -(-len(long_a) // 4):  # "a" has joined: abort all of it (two choices left) mid-decode
+            engine.abort("a")
+        if not engine.has_unfinished():
+            break
+    assert finished[("a", 1)] == "abort" and len(got.get(("a", 1), [])) == 0
+    assert finished[("b", 0)] == "length" and len(got[("b", 0)]) == 3
+    assert got[("running", 0)] == alone
+    engine.add_request(long_b, SamplingParams(max_tokens=2), request_id="c")
+    engine.step()
+    engine.abort("c")  # every choice of a chunked prefill aborted: it is dropped
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.job is None
+
+
 def test_n_choices_share_one_prefill(pair, feature_pair):
     prompt = first_turns(1, seed=4)[0]
     params = SamplingParams(n=3, max_tokens=8, temperature=0.9, seed=11, ignore_eos=True)
