@@ -415,31 +415,45 @@ async def stream_events(http, base: str, path: str, body: dict, events: list, st
                     events.append((time.perf_counter() - started, len(ids) if ids else 1))
 
 
-async def chat_session(base: str, messages: list[str], max_tokens: int, tokenizer) -> list[dict]:
-    """One conversation, turn by turn: each turn sends the history, the new question, streams the answer;
-    the answer joins the history. Per turn: prompt tokens (our tokenizer), TTFT, the answer's time."""
-    history, rows = [], []
+async def chat_turn(http, base: str, history: list[dict], max_tokens: int, tokenizer) -> dict:
+    """One turn: send `history` (ending with the new question), stream the answer, append it to `history`.
+    Returns the prompt tokens (our tokenizer), TTFT (to the first content chunk), the answer's time."""
+    prompt = len(tokenizer.encode(tokenizer.apply_chat_template(history), add_special_tokens=False))
+    body = {"model": "bench", "messages": history, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    events, text = [], []
+    started = time.perf_counter()
+    async with http.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:]).get("choices") or ():
+                    piece = (choice.get("delta") or {}).get("content")
+                    if piece:
+                        events.append(time.perf_counter() - started)
+                        text.append(piece)
+    history.append({"role": "assistant", "content": "".join(text)})
+    return {"prompt_tokens": prompt, "ttft": events[0] if events else None, "total": time.perf_counter() - started,
+            "chunks": len(events), "answer_chars": len("".join(text))}
+
+
+async def chat_sessions(bases: dict, order: list[str], messages: list[str], max_tokens: int, tokenizer):
+    """One conversation per server, turn by turn and interleaved: turn t goes to every server in turn (the
+    order rotating each turn), each server continuing its own conversation with its own answers, so that a
+    turn's times on the servers are taken seconds apart (the machine's load drifts). Yields (server, turn, row)."""
+    histories = {name: [] for name in order}
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600)) as http:
         for turn, question in enumerate(messages, 1):
-            history.append({"role": "user", "content": question})
-            prompt = len(tokenizer.encode(tokenizer.apply_chat_template(history), add_special_tokens=False))
-            body = {"model": "bench", "messages": history, "max_tokens": max_tokens, "temperature": 0}
-            events, text = [], []
-            started = time.perf_counter()
-            async with http.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"turn {turn}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-                async for line in r.aiter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        for choice in json.loads(line[6:]).get("choices") or ():
-                            piece = (choice.get("delta") or {}).get("content")
-                            if piece:
-                                events.append(time.perf_counter() - started)
-                                text.append(piece)
-            history.append({"role": "assistant", "content": "".join(text)})
-            rows.append({"turn": turn, "prompt_tokens": prompt, "ttft": events[0] if events else None,
-                         "total": time.perf_counter() - started, "chunks": len(events)})
-    return rows
+            shift = (turn - 1) % len(order)
+            for name in order[shift:] + order[:shift]:
+                histories[name].append({"role": "user", "content": question})
+                yield name, turn, await chat_turn(http, bases[name], histories[name], max_tokens, tokenizer)
+
+
+async def chat_session(base: str, messages: list[str], max_tokens: int, tokenizer) -> list[dict]:
+    """One conversation on one server; per turn what `chat_turn` returns, with the turn."""
+    return [{"turn": turn, **row} async for _, turn, row in chat_sessions({"one": base}, ["one"], messages,
+                                                                        max_tokens, tokenizer)]
 
 
 def start_servers(names: list[str], args) -> tuple[dict, dict]:
@@ -461,9 +475,9 @@ def start_servers(names: list[str], args) -> tuple[dict, dict]:
 
 
 def chat_main(args) -> None:
-    """`chat`: a 10-turn conversation per repeat and server, the servers one after another (nothing else
-    runs beside the server being measured), the order rotating; each repeat with other questions, so that
-    no server finds an earlier repeat's conversation in its cache."""
+    """`chat`: per repeat, a 10-turn conversation on every server, interleaved turn by turn (`chat_sessions`;
+    only the server answering works, the others are idle); each repeat with other questions, so that no
+    server finds an earlier repeat's conversation in its cache."""
     from specdec.models import load_tokenizer
 
     os.makedirs(args.out, exist_ok=True)
@@ -481,10 +495,15 @@ def chat_main(args) -> None:
             asyncio.run(chat_session(bases[name], user_messages(texts, tokenizer, 2, 40, 10_000), 8, tokenizer))
         for repeat in range(args.repeats):
             messages = user_messages(texts, tokenizer, args.turns, args.question_tokens, 997 * repeat)
-            for name in servers[repeat % len(servers):] + servers[: repeat % len(servers)]:
-                for row in asyncio.run(chat_session(bases[name], messages, args.max_tokens, tokenizer)):
-                    rows.append({"type": "turn", "server": name, "repeat": repeat, **row})
+
+            async def run_repeat():
+                order = servers[repeat % len(servers):] + servers[: repeat % len(servers)]
+                async for name, turn, row in chat_sessions(bases, order, messages, args.max_tokens, tokenizer):
+                    rows.append({"type": "turn", "server": name, "repeat": repeat, "turn": turn, **row,
+                                 "loadavg": os.getloadavg()[0]})
                     print(json.dumps(rows[-1]), flush=True)
+
+            asyncio.run(run_repeat())
     finally:
         for proc in procs.values():
             stop(proc)
