@@ -563,8 +563,9 @@ def itl_tokens(events: list, lo: float, hi: float) -> list[float]:
 
 
 async def mixed_run(base: str, stream_prompts: list[list[int]], long_prompt: list[int], args) -> dict:
-    """Running streams, then a long admission among them: the streams' per-token ITL in the steady window
-    before it (from each stream's 8th token to the admission) and during it (from its arrival to its first
+    """Running streams, then a long admission among them: the streams' per-token ITL in steady state (a window
+    of --steady-s before the admission, from each stream's 8th token on, and one after its first token and its
+    4 tokens: the streams' contexts grow meanwhile, so both) and during it (from its arrival to its first
     token), and its TTFT."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=httpx.Limits(max_connections=100)) as http:
         started = time.perf_counter()
@@ -584,14 +585,17 @@ async def mixed_run(base: str, stream_prompts: list[list[int]], long_prompt: lis
         await stream_events(http, base, "/v1/completions", {"model": "bench", "prompt": long_prompt, "max_tokens": 4,
                                                              "temperature": 0, "return_token_ids": True},
                             admission, started)
-        first = admission[0][0]
-        await asyncio.sleep(args.steady_s / 2)
+        first, done = admission[0][0], time.perf_counter() - started
+        await asyncio.sleep(args.steady_s)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    steady = [x for e in streams for x in itl_tokens(e, warm, sent)]
+    before = [x for e in streams for x in itl_tokens(e, warm, sent)]
+    after = [x for e in streams for x in itl_tokens(e, done + 0.5, done + args.steady_s)]
+    steady = before + after
     during = [x for e in streams for x in itl_tokens(e, sent, first)]
     return {"admission_ttft": first - sent, "steady_p50": percentile(steady, 50), "steady_p95": percentile(steady, 95),
+            "before_p95": percentile(before, 95), "after_p95": percentile(after, 95),
             "during_p50": percentile(during, 50), "during_p95": percentile(during, 95),
             "steady_tokens": len(steady), "during_tokens": len(during),
             "stalls_max": max((b - a for e in streams for (a, _), (b, _) in zip(e, e[1:]) if b > sent and a < first),
@@ -637,12 +641,14 @@ def mixed_report(meta: dict, rows: list[dict]) -> str:
     lines = [f"`{meta['command']}` (git {meta['git']}; {meta['streams']} running streams, a {meta['long_tokens']}-token "
              f"admission after {meta['steady_s']:g} s; {meta['repeats']} repeats; {meta['threads']} thread(s); load "
              f"average {meta['loadavg_before'][0]:.1f} before, {meta['loadavg_after'][0]:.1f} after)", "",
-             "| server | repeat | steady ITL p50 / p95 ms | during the admission ITL p50 / p95 ms | p95 during / "
-             "steady | longest stall s | admission TTFT s |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "Steady: a window before the admission and one after it, pooled (p95 before / after apart).", "",
+             "| server | repeat | steady ITL p50 / p95 ms (p95 before / after) | during the admission ITL p50 / p95 ms "
+             "| p95 during / steady | longest stall s | admission TTFT s |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = r["during_p95"] / r["steady_p95"] if r["during_p95"] and r["steady_p95"] else None
         stall = "-" if r["stalls_max"] is None else f"{r['stalls_max']:.2f}"
-        lines.append(f"| {r['server']} | {r['repeat']} | {_ms(r['steady_p50'])} / {_ms(r['steady_p95'])} | "
+        lines.append(f"| {r['server']} | {r['repeat']} | {_ms(r['steady_p50'])} / {_ms(r['steady_p95'])} "
+                     f"({_ms(r.get('before_p95'))} / {_ms(r.get('after_p95'))}) | "
                      f"{_ms(r['during_p50'])} / {_ms(r['during_p95'])} | {'-' if ratio is None else f'{ratio:.2f}'} | "
                      f"{stall} | {r['admission_ttft']:.1f} |")
     return "\n".join(lines) + "\n"
