@@ -39,6 +39,10 @@ setup(
                  "gguf>=0.10", "accelerate",
                  "ray[data]==2.60.0", *SERVE, "openai>=1.0", "httpx>=0.24"],
         "bench": ["matplotlib", "pytest-benchmark"],
+        # `python -m specdec.train` (docs/train.md): `small` builds and saves its Llama models with transformers,
+        # which reads the SentencePiece model it trains through protobuf; matplotlib draws the acceptance plot
+        # (skipped, with a line, without it)
+        "train": ["transformers>=4.51", "protobuf", "matplotlib"],
         # the CPU peer of bench/quantized.py (llama.cpp): a ~12-minute source build; build the wheel once with the
         # flags docs/benchmarks/quantized.md gives (native flags and OpenMP crash here) and install it from the cache
         "llamacpp": ["llama-cpp-python==0.3.36", "diskcache"],

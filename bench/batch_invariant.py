@@ -1,9 +1,11 @@
 """Batch-invariant numerics (`LLM(batch_invariant=True)`): what it fixes, what it costs.
 
 probe: which torch CPU ops give a row the same bits whatever else is in the call, per dtype; equivalence: greedy
-eqspec/ragged/exspec at batch 8 against AR at batch 1 on SpecBench, mode off and on; cost: tokens/s with the mode
-off and on, interleaved, both pairs (docs/benchmarks/batch-invariant.md). JSON and markdown go to --out
-(default bench/results/batch_invariant).
+eqspec/ragged/exspec at batch 8 against AR at batch 1 on SpecBench, mode off and on; pool-prefill: the same, mode
+on, bfloat16, on issue 42's 96 short prompts (first lines of this Python's stdlib test files), at exspec's two
+configurations, optionally on a simulated CPU whose bfloat16 kernel changes above --simulate-switch rows; cost:
+tokens/s with the mode off and on, interleaved, both pairs (docs/benchmarks/batch-invariant.md). JSON and
+markdown go to --out (default bench/results/batch_invariant).
 
     python -m bench.batch_invariant probe
 """
@@ -29,19 +31,39 @@ SPEC_METHODS = ("eqspec", "ragged", "exspec")
 
 
 # ------------------------------------------------------------------------------------------------ probe
-def _rows_alone_vs_batched(fn, X, sizes=(1, 2, 3, 4, 5, 8, 17, 48, 130), shifts=(0, 1, 3), alone=24):
-    """Cases where fn(X[s:s+M]) row r differs from fn(X[s+r : s+r+1]): (M, shift) list, of how many."""
+def _rows_alone_vs_batched(fn, X, sizes=(1, 2, 3, 4, 5, 8, 17, 48, 130, 1030), shifts=(0, 1, 3), alone=24,
+                           tile=8):
+    """Cases where a row of fn(X[s:s+M]) differs from that row alone: (M, shift) list, of how many. Every row of
+    every call is compared, with the row in calls of `tile` rows (whose first `alone` rows are compared with each
+    row alone): a kernel that rounds otherwise may change only a few elements of a large call."""
     ref = torch.cat([fn(X[i:i + 1].clone()) for i in range(alone)])
-    bad, total = [], 0
+    tiled = torch.cat([fn(X[i:i + tile].clone()) for i in range(0, len(X), tile)])
+    bad, total = ([(1, "tiles")] if not torch.equal(tiled[:alone], ref) else []), 1
     for M in sizes:
         for s in shifts:
-            n = min(M, alone - s)
-            if n <= 0:
+            if s >= len(X):
                 continue
             total += 1
-            if not torch.equal(fn(X[s:s + M].clone())[:n], ref[s:s + n]):
+            rows = fn(X[s:s + M].clone())
+            if not torch.equal(rows, tiled[s:s + len(rows)]):
                 bad.append((M, s))
     return bad, total
+
+
+def isa_line() -> str:
+    """The CPU's vector extensions that decide the libraries' kernels, and torch's dispatch level."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+    have = [w for w in wanted if w in flags] or ["(no /proc/cpuinfo flags)"]
+    return f"CPU flags {' '.join(have)}; torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
 
 
 def _elementwise_position(fn, x):
@@ -70,6 +92,7 @@ def _sdpa_case(dtype, pad, T, last, q, k, v):
 
 def probe() -> dict:
     """Measure which torch CPU paths give a row the same bits whatever else is in the call."""
+    from specdec.kernels import bi_attention as ba
     from specdec.kernels import bi_matmul as bm
     from specdec.models.transformer import RMSNorm
 
@@ -81,7 +104,7 @@ def probe() -> dict:
         row = results[name] = {}
         W = torch.randn(640, 384).to(dtype)
         b = torch.randn(640).to(dtype)
-        X = torch.randn(200, 384).to(dtype)
+        X = torch.randn(1040, 384).to(dtype)
         row["F.linear (M = B*T rows)"] = _rows_alone_vs_batched(lambda x: F.linear(x, W, b), X)
         row["linear, rows padded to 4 (MKL)"] = _rows_alone_vs_batched(lambda x: bm.padded_linear(x, W, b), X)
         if dtype == torch.float32 and bm.onednn_available():
@@ -89,6 +112,16 @@ def probe() -> dict:
             row["linear, oneDNN packed weight"] = _rows_alone_vs_batched(
                 lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""), X)
         row["bi_linear (the mode)"] = _rows_alone_vs_batched(lambda x: bm.bi_linear(x, W, b, backend="torch"), X)
+        threads = torch.get_num_threads()
+        plan = bm.cpu_plan(dtype, threads, (640, 384))
+        row["bi_linear's plan (cpu_plan)"] = (
+            "as called" if plan == bm.RowPlan(threads, None) else "one thread" if plan.block is None
+            else f"blocks of {plan.block} row(s), {plan.threads} thread(s)")
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        for transposed, what in ((True, "scores: rows x K^T view"), (False, "chunk outputs: probs x V")):
+            ok = ba.bmm_keeps_rows(acc, bm.RowPlan(threads, None), 64, 64, transposed)
+            row[f"bi_attention's bmm, {what}, up to 128 matrices x 200 rows (in float32; float64 for float64)"] = (
+                [] if ok else [None], 1)
         keys = torch.randn(2, 64, 64).to(dtype)  # [batch, chunk, D]: what bi_attention multiplies, K^T as a view
 
         def scores(x):
@@ -136,6 +169,8 @@ def probe_table(results: dict) -> str:
     def cell(op, dtype):
         if op not in results[dtype]:
             return "-"
+        if isinstance(results[dtype][op], str):
+            return results[dtype][op]
         bad, total = results[dtype][op]
         n = bad if isinstance(bad, int) else len(bad)
         return "invariant" if n == 0 else f"**varies** ({n}/{total})"
@@ -209,6 +244,91 @@ def equivalence_table(info: dict) -> str:
     return md_table(["dtype", "batch_invariant"] + [f"{m} == AR@1" for m in SPEC_METHODS], rows)
 
 
+# ----------------------------------------------------------------------------------------- pool prefill
+ISSUE42_PROMPT = "class TestEUCKRMap(multibytecodec_support.TestBase_Mapping,\n"
+POOL_PREFILL_RUNS = (("exspec", 8, 5), ("exspec", 5, 3), ("eqspec", 8, 5), ("ragged", 8, 5))
+
+
+def stdlib_prompts(count: int = 96) -> list[str]:
+    """Issue 42's prompt (`ISSUE42_PROMPT`) at index 47 among the first `class`/`def` line (with its newline)
+    of each of the first count - 1 `test_*.py` files of this Python's Lib/test, in name order."""
+    import glob
+    import sysconfig
+
+    lines = []
+    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "test", "test_*.py"))):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            line = next((x for x in f if x.startswith(("class ", "def "))), None)
+        if line is not None:
+            lines.append(line)
+        if len(lines) == count - 1:
+            break
+    return lines[:47] + [ISSUE42_PROMPT] + lines[47:]
+
+
+def simulated_switch(rows: int):
+    """A stand-in for bi_matmul's CPU path on a CPU whose bfloat16 kernel sums otherwise in calls of more than
+    `rows` rows: there, MKL's float32 GEMM of the upcast inputs, rounded once (other bfloat16 bits in about 1e-4
+    of the outputs)."""
+    from specdec.kernels import bi_matmul as bm
+
+    real = bm._cpu_linear
+
+    def kernel(x, weight, bias=None, packed=None):
+        if x.dtype == torch.bfloat16 and x.shape[0] > rows:
+            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+        return real(x, weight, bias, packed)
+
+    return kernel
+
+
+def pool_prefill(args) -> dict:
+    from specdec import LLM, SamplingParams
+    from specdec.kernels import bi_matmul as bm
+    from specdec.prompts import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    if args.simulate_switch:
+        bm._cpu_linear = simulated_switch(args.simulate_switch)
+    largest = [0]
+    reference = bm.bi_matmul_reference
+
+    def counted(x, *rest):  # the largest call of each run (before bounded_linear splits it)
+        largest[0] = max(largest[0], x.shape[0])
+        return reference(x, *rest)
+
+    bm.bi_matmul_reference = counted
+    prompts = stdlib_prompts()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    info = {"machine": f"{machine_line()}; {isa_line()}", "simulate_switch": args.simulate_switch,
+            "num_prompts": len(prompts), "max_tokens": args.max_tokens, "runs": []}
+    t0 = time.perf_counter()
+    ref = LLM(DEFAULT_TARGET, method="ar", batch_size=1, dtype="bfloat16", batch_invariant=True).generate(
+        prompts, sampling_params=params)
+    info["runs"].append({"method": "ar", "batch_size": 1, "k": None, "largest_call_rows": largest[0],
+                         "seconds": time.perf_counter() - t0})
+    for method, batch, k in POOL_PREFILL_RUNS:
+        largest[0] = 0
+        t0 = time.perf_counter()
+        outs = LLM(DEFAULT_TARGET, DEFAULT_DRAFT, method=method, batch_size=batch, num_speculative_tokens=k,
+                   dtype="bfloat16", batch_invariant=True).generate(prompts, sampling_params=params)
+        mismatched = [(o.index, next(i for i, (a, b) in enumerate(zip(o.token_ids + [None], r.token_ids + [None]))
+                                     if a != b)) for o, r in zip(outs, ref) if o.token_ids != r.token_ids]
+        run = {"method": method, "batch_size": batch, "k": k, "matches": len(prompts) - len(mismatched),
+               "of": len(prompts), "mismatched": mismatched, "largest_call_rows": largest[0],
+               "seconds": time.perf_counter() - t0}
+        info["runs"].append(run)
+        log("pool-prefill", f"{method} B {batch} k {k}: {run['matches']}/{len(prompts)} match AR@1, largest call "
+            f"{largest[0]} rows ({run['seconds']:.0f}s)")
+    return info
+
+
+def pool_prefill_table(info: dict) -> str:
+    return md_table(["method", "B", "k", "== AR@1", "mismatched (prompt @ token)", "largest linear call (rows)"],
+                    ([r["method"], r["batch_size"], r["k"] or "-", f"{r['matches']}/{r['of']}" if "of" in r else "-",
+                      ", ".join(f"{i} @ {t}" for i, t in r.get("mismatched", [])) or "-", r["largest_call_rows"]]
+                     for r in info["runs"]), right={5})
+
+
 # ------------------------------------------------------------------------------------------------ cost
 COST_CONFIGS = (("ar", 1), ("ar", 8), ("eqspec", 8), ("ragged", 8), ("exspec", 8))
 
@@ -273,7 +393,7 @@ def cost_table(info: dict) -> str:
 # ------------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    p.add_argument("what", choices=("probe", "equivalence", "cost"))
+    p.add_argument("what", choices=("probe", "equivalence", "pool-prefill", "cost"))
     p.add_argument("--prompts", default=SPEC_BENCH, help="SpecBench-style question.jsonl (first turns)")
     p.add_argument("--num-prompts", type=int, default=None, help="equivalence: the first N prompts (default all)")
     p.add_argument("--dtypes", type=comma_list(("bfloat16", "float32", "float64", "float16")),
@@ -292,6 +412,8 @@ def main(argv=None) -> int:
     p.add_argument("--cost-prompts", type=int, default=16, help="cost: prompts per batch-8 run")
     p.add_argument("--cost-prompts-b1", type=int, default=4, help="cost: prompts per batch-1 run")
     p.add_argument("--rounds", type=int, default=3, help="cost: interleaved rounds")
+    p.add_argument("--simulate-switch", type=int, default=0, metavar="ROWS",
+                   help="pool-prefill: bfloat16 calls of more than ROWS rows take another kernel (0: none)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--out", default=DEFAULT_OUT, help="output folder")
     args = p.parse_args(argv)
@@ -302,7 +424,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     if args.what == "probe":
         table = probe_table(probe())
-        result = {"machine": machine_line(), "table": table}
+        result = {"machine": f"{machine_line()}; {isa_line()}", "table": table}
+    elif args.what == "pool-prefill":
+        result = pool_prefill(args)
+        table = pool_prefill_table(result)
     else:
         result = (equivalence if args.what == "equivalence" else cost)(args)
         table = (equivalence_table if args.what == "equivalence" else cost_table)(result)
@@ -314,6 +439,8 @@ def main(argv=None) -> int:
         header += (f"; target {result['target_sha256']}, draft {result['draft_sha256']} (sha256 of model.safetensors, "
                    f"first 16 hex); {result['num_prompts']} prompts, {result['prompts_cut']} cut to "
                    f"{result['max_prompt_tokens']} tokens")
+    if args.what == "pool-prefill":
+        name += (f"-switch{args.simulate_switch}" if args.simulate_switch else "") + f"-threads{args.threads}"
     write_json(os.path.join(args.out, f"{name}.json"), result)
     text = f"{header}\n\n{table}\n"
     with open(os.path.join(args.out, f"{name}.md"), "w") as f:

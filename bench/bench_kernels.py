@@ -187,21 +187,39 @@ def test_noise(benchmark, batch, k, vocab, impl):
 
 
 # ------------------------------------------------------------------------ batch-invariant linear / attention
-# impl "invariant" (bi_linear / bi_attention) or "ordinary" (F.linear / SDPA); CUDA shapes a Llama-3-8B layer's
+# impl "invariant" (bi_linear / bi_attention / rms_norm: the Triton kernels on CUDA, the torch paths on the CPU)
+# or "ordinary" (F.linear = cuBLAS / SDPA / the model's torch RMSNorm). On CUDA: Llama-2-7B (Vicuna-7B) and
+# Llama-3-8B projection shapes, 1-64 rows, bfloat16 (the bar: invariant >= 0.85x ordinary, issue #42).
 from specdec.kernels import bi_attention as bia  # noqa: E402
 from specdec.kernels import bi_matmul as bim  # noqa: E402
+from specdec.kernels import dispatch as dsp  # noqa: E402
+from specdec.kernels import rmsnorm as rms  # noqa: E402
 
-BI_DTYPES = ("bfloat16", "float32")
-BI_ROWS = (1, 8, 48) if not CUDA else (1, 8, 48, 512)
+# (model, projection) -> (N, K); the models' fused q/k/v and gate/up, as specdec runs them
+LLAMA_SHAPES = {
+    ("7b", "qkv"): (12288, 4096), ("7b", "o"): (4096, 4096), ("7b", "gate_up"): (22016, 4096),
+    ("7b", "down"): (4096, 11008), ("7b", "lm_head"): (32000, 4096),
+    ("8b", "qkv"): (6144, 4096), ("8b", "gate_up"): (28672, 4096), ("8b", "down"): (4096, 14336),
+    ("8b", "lm_head"): (128256, 4096),  # 8b's o_proj is 7b's
+}
+BI_DTYPES = ("bfloat16", "float32") if not CUDA else ("bfloat16",)
+BI_ROWS = (1, 8, 48) if not CUDA else (1, 2, 4, 8, 16, 32, 64)
 BI_LINEAR_SHAPES = (((640, 384), (2048, 768)) if QUICK else ((640, 384), (4000, 384), (2048, 768), (768, 2048))) \
-    if not CUDA else ((6144, 4096), (4096, 14336), (28672, 4096))  # (N, K): qkv, down, gate_up
-BI_ATTN = dict(H=6, Hkv=2, D=64) if not CUDA else dict(H=32, Hkv=8, D=128)
-BI_CONTEXTS = (256,) if (QUICK or not CUDA) else (256, 4096)
+    if not CUDA else tuple(LLAMA_SHAPES.values())
+BI_ATTN = {"small": dict(H=6, Hkv=2, D=64)} if not CUDA else {"7b": dict(H=32, Hkv=32, D=128),
+                                                              "8b": dict(H=32, Hkv=8, D=128)}
+BI_BATCHES = (1, 8) if not CUDA else (1, 8, 32)
+BI_CONTEXTS = (256,) if (QUICK or not CUDA) else (512, 2048)
+
+
+def _shape_id(shape):
+    names = [f"{m}-{p}" for (m, p), s in LLAMA_SHAPES.items() if s == shape]
+    return (names[0] + "-" if names else "") + f"{shape[0]}x{shape[1]}"
 
 
 @pytest.mark.parametrize("impl", ("invariant", "ordinary"))
 @pytest.mark.parametrize("rows", BI_ROWS)
-@pytest.mark.parametrize("shape", BI_LINEAR_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", BI_LINEAR_SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("dtype", BI_DTYPES)
 def test_bi_linear(benchmark, dtype, shape, rows, impl):
     N, K = shape
@@ -214,19 +232,44 @@ def test_bi_linear(benchmark, dtype, shape, rows, impl):
     else:
         fn = lambda: torch.nn.functional.linear(x, weight)  # noqa: E731
     seconds = _run(benchmark, fn)
+    config = bim.matmul_config(N, K, dt, DEVICE)._asdict() if CUDA and impl == "invariant" else None
     benchmark.extra_info.update(path=PATH if impl == "invariant" else "torch", impl=impl, device=DEVICE,
                                 threads=torch.get_num_threads(), dtype=dtype, rows=rows, N=N, K=K,
+                                shape=_shape_id(shape), config=config,
                                 cpu_path=bim.cpu_path(dt) if not CUDA else None,
                                 weight_gbps=N * K * dt.itemsize / seconds / 1e9)
+
+
+# the config sweep (CUDA): which tiles a shape should get (bi_matmul.CONFIGS / default_config); every candidate
+# is M-independent, so any of them keeps the invariance; rows 1 (decode) and 32 (a verify of a batch)
+SWEEP_SHAPES = ((4096, 4096), (4096, 14336)) if CUDA else ()
+SWEEP_CONFIGS = tuple(bim.MatmulConfig(bm_, bn, bk, 4, 3 if bn * bk >= 128 * 128 else 4)
+                      for bm_ in (16, 64) for bn in (32, 64, 128) for bk in (64, 128))
+
+
+@pytest.mark.skipif(not CUDA, reason="the tile sweep times the Triton kernel: CUDA only")
+@pytest.mark.parametrize("rows", (1, 32))
+@pytest.mark.parametrize("config", SWEEP_CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}")
+@pytest.mark.parametrize("shape", SWEEP_SHAPES, ids=_shape_id)
+def test_bi_linear_configs(benchmark, shape, config, rows):
+    N, K = shape
+    weight = torch.randn(N, K, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(rows, K, device=DEVICE, dtype=torch.bfloat16)
+    seconds = _run(benchmark, lambda: bim.bi_matmul_triton(x, weight, config=config))
+    benchmark.extra_info.update(impl="config", device=DEVICE, dtype="bfloat16", rows=rows, N=N, K=K,
+                                shape=_shape_id(shape), config=config._asdict(),
+                                default=config == bim.default_config(N, K, torch.bfloat16, dsp.device_programs(DEVICE)),
+                                weight_gbps=N * K * 2 / seconds / 1e9)
 
 
 @pytest.mark.parametrize("impl", ("invariant", "ordinary"))
 @pytest.mark.parametrize("context", BI_CONTEXTS)
 @pytest.mark.parametrize("T", (1, 6))
-@pytest.mark.parametrize("batch", (1, 8))
+@pytest.mark.parametrize("batch", BI_BATCHES)
+@pytest.mark.parametrize("model", tuple(BI_ATTN))
 @pytest.mark.parametrize("dtype", BI_DTYPES)
-def test_bi_attention(benchmark, dtype, batch, T, context, impl):
-    H, Hkv, D = BI_ATTN["H"], BI_ATTN["Hkv"], BI_ATTN["D"]
+def test_bi_attention(benchmark, dtype, model, batch, T, context, impl):
+    H, Hkv, D = BI_ATTN[model]["H"], BI_ATTN[model]["Hkv"], BI_ATTN[model]["D"]
     dt = getattr(torch, dtype)
     g = torch.Generator().manual_seed(batch + T + context)
     q = torch.randn(batch, H, T, D, generator=g).to(DEVICE, dt)
@@ -247,9 +290,28 @@ def test_bi_attention(benchmark, dtype, batch, T, context, impl):
         bias = torch.where(mask, torch.zeros((), dtype=dt, device=DEVICE), float("-inf"))[:, None]
         fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)  # noqa: E731
     seconds = _run(benchmark, fn)
+    kv_bytes = 2 * int(lengths.sum() + batch * T) * Hkv * D * dt.itemsize  # the keys and values a step must read
     benchmark.extra_info.update(path=PATH if impl == "invariant" else "torch", impl=impl, device=DEVICE,
-                                threads=torch.get_num_threads(), dtype=dtype, batch=batch, T=T, context=context,
-                                kv_gbps=2 * k.numel() * dt.itemsize / seconds / 1e9)
+                                threads=torch.get_num_threads(), dtype=dtype, model=model, batch=batch, T=T,
+                                context=context, kv_gbps=kv_bytes / seconds / 1e9)
+
+
+@pytest.mark.parametrize("impl", ("invariant", "ordinary"))
+@pytest.mark.parametrize("residual", (False, True))
+@pytest.mark.parametrize("rows", (1, 8, 64, 512) if CUDA else (1, 8, 48))
+@pytest.mark.parametrize("dtype", BI_DTYPES)
+def test_bi_rms_norm(benchmark, dtype, rows, residual, impl):
+    """rms_norm (Triton on CUDA) against the model's torch RMSNorm (+ the residual add), hidden 4096."""
+    N = 4096 if CUDA else 576
+    dt = getattr(torch, dtype)
+    x = torch.randn(rows, N, device=DEVICE).to(dt)
+    r = torch.randn(rows, N, device=DEVICE).to(dt) if residual else None
+    w = torch.rand(N, device=DEVICE).to(dt)
+    backend = PATH if impl == "invariant" else "torch"
+    seconds = _run(benchmark, lambda: rms.rms_norm(x, w, 1e-5, residual=r, backend=backend))
+    moved = rows * N * dt.itemsize * (4 if residual else 2)  # read x (and r), write y (and h)
+    benchmark.extra_info.update(path=backend, impl=impl, device=DEVICE, threads=torch.get_num_threads(), dtype=dtype,
+                                rows=rows, N=N, residual=residual, gbps=moved / seconds / 1e9)
 
 
 # ------------------------------------------------------------------------------ weight-only quantized matmul
@@ -258,9 +320,12 @@ def test_bi_attention(benchmark, dtype, batch, T, context, impl):
 from specdec.kernels import quant_matmul as qmm  # noqa: E402
 from specdec.models.quant import QuantLinear, QuantRows  # noqa: E402
 
-QUANT_ROWS = (1, 8, 48) if not CUDA else (1, 6, 16, 48, 64)
-QUANT_SHAPES = ((1536, 576), (576, 1536)) if not CUDA else ((6144, 4096), (4096, 14336), (28672, 4096))  # (N, K)
-QUANT_IMPLS = ("kernel", "reference", "bf16") if CUDA else ("reference", "cpu", "bf16")
+QUANT_ROWS = (1, 8, 48) if not CUDA else (1, 2, 4, 8, 16, 64)
+QUANT_SHAPES = ((1536, 576), (576, 1536)) if not CUDA else (  # (N, K): Llama-3-8B's qkv, down, gate_up; 7B's o
+    (6144, 4096), (4096, 14336), (28672, 4096), (4096, 4096))
+# the bar (issue #42): kernel >= 2x bf16 (int4) / >= 1.5x (int8) at 1-8 rows; "kernel_nmajor": the same kernel on
+# row-major codes (QuantLinear keeps them K-major), to see what the layout is worth
+QUANT_IMPLS = ("kernel", "kernel_nmajor", "bf16") if CUDA else ("reference", "cpu", "bf16")
 
 
 @pytest.mark.parametrize("impl", QUANT_IMPLS)
@@ -283,9 +348,12 @@ def test_quant_matmul(benchmark, fmt, shape, rows, impl):
         fn = lambda: layer(x)  # noqa: E731
     else:
         operands = (layer.nibbles, layer.scales, layer.zeros) if fmt == "int4" else (layer.codes, layer.scales)
-        backend = "triton" if impl == "kernel" else "torch"
+        if impl == "kernel_nmajor":
+            operands = tuple(t.contiguous() for t in operands)
+        backend = "triton" if impl.startswith("kernel") else "torch"
         fn = lambda: qmm.quant_matmul(x, fmt, *operands, backend=backend)  # noqa: E731
     seconds = _run(benchmark, fn)
-    benchmark.extra_info.update(path="triton" if impl == "kernel" else "torch", impl=impl, device=DEVICE,
-                                threads=torch.get_num_threads(), fmt=fmt, rows=rows, N=N, K=K,
+    config = qmm.quant_config(fmt, N, K, x.dtype, DEVICE)._asdict() if impl.startswith("kernel") else None
+    benchmark.extra_info.update(path="triton" if impl.startswith("kernel") else "torch", impl=impl, device=DEVICE,
+                                threads=torch.get_num_threads(), fmt=fmt, rows=rows, N=N, K=K, config=config,
                                 weight_gbps=layer.weight_bytes / seconds / 1e9)

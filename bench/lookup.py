@@ -149,8 +149,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     target = load_model(args.target, dtype="float32", device="cpu", quantize=args.quantize)
     tokenizer = load_tokenizer(args.target)
-    # the shipped draft is found by the float32 load's fingerprint (a quantized load's differs)
-    feature = shipped_draft(target if args.quantize is None else load_model(args.target, dtype="float32"))
+    feature = shipped_draft(target)  # a quantized load is recognised by the file's weights too
     llms = make_llms(args, target, tokenizer, feature)
     ar = llms.get("ar") or LLM(target=target, tokenizer=tokenizer, method="ar", batch_size=1, device="cpu",
                                quantize=args.quantize)

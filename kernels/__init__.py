@@ -9,6 +9,7 @@ wrapper that dispatches between them (`dispatch.py`: Triton on CUDA, the referen
 - `bi_matmul`: batch-invariant matmul (a fixed summation order per row) for `batch_invariant=True` linears;
 - `bi_attention`: batch-invariant attention over the cache (each query's keys summed in one fixed order);
 - `quant_matmul`: weight-only int4 / int8 matmul, the weight dequantized in registers (batch-invariant);
+- `rmsnorm`: batch-invariant RMSNorm (HF's order), optionally fused with the residual add;
 - `noise`: uniforms keyed by (seed, position, stream, index) (Philox4x32-10, `tl.randint4x`), the
   randomness of sampling.
 

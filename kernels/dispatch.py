@@ -95,6 +95,28 @@ def lazy_jit(fn) -> LazyJit:
     return LazyJit(fn)
 
 
+def interpreting() -> bool:
+    """True under the Triton interpreter (`TRITON_INTERPRET=1`): kernels run on the CPU through numpy."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+INTERPRETER_PROGRAMS = 3  # "streaming multiprocessors" of the interpreter: persistent kernels loop over tiles
+_PROGRAMS: dict = {}  # device index -> multiprocessor count (read once per device; explicit, see device_programs)
+
+
+def device_programs(device) -> int:
+    """How many programs a persistent kernel launches at most on `device`: its multiprocessor count on CUDA,
+    INTERPRETER_PROGRAMS elsewhere (the interpreter), so that the tile loop runs more than once in tests.
+    Only the grid depends on it, never a tile or a summation order."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PROGRAMS:
+        _PROGRAMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _PROGRAMS[index]
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
@@ -104,11 +126,19 @@ def cdiv(a: int, b: int) -> int:
 
 
 @contextlib.contextmanager
-def one_thread():
-    """torch runs one intra-op thread inside the block (the caller's count is restored after it)."""
+def num_threads(n: int):
+    """torch runs `n` intra-op threads inside the block (the caller's count is restored after it)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if n == threads:
+        yield
+        return
+    torch.set_num_threads(n)
     try:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def one_thread():
+    """torch runs one intra-op thread inside the block (the caller's count is restored after it)."""
+    return num_threads(1)

@@ -131,6 +131,11 @@ class KVCache:
         self._length = self._length + plan.num_new
         self.host_length = [n + m for n, m in zip(self.host_length, plan.host_num_new)]
 
+    def advance_rows(self, T: int) -> None:
+        """Every row cached T more tokens (a step planned on the device: models/graphs.py)."""
+        self._length = self._length + T
+        self.host_length = [n + T for n in self.host_length]
+
     def right_align(self, live: list[bool], draft: "KVCache | None" = None) -> None:
         """Left-padded layout: right-align every live row (host list of bools) at the longest live row's edge
         (invariant I6), moving this cache's and `draft`'s rows together (their rows share `start`). Rows not

@@ -47,16 +47,27 @@ def is_feature_draft(path) -> bool:
     return isinstance(raw, dict) and ARCHITECTURE in (raw.get("architectures") or [])
 
 
+def fingerprint_weights(cfg: ModelConfig) -> tuple[str, ...]:
+    """The weights `fingerprint` samples (HF names without `model.`)."""
+    return ("embed_tokens.weight", "layers.0.mlp.down_proj.weight", f"layers.{cfg.num_layers - 1}.mlp.down_proj.weight")
+
+
+def fingerprint_rows(rows: int) -> slice:
+    """The rows of a weight `fingerprint` samples: about 64, evenly spaced."""
+    return slice(None, None, max(1, rows // 64))
+
+
 def fingerprint(model: Transformer) -> str:
     """sha256 (hex) of a model's config and a fixed sample of its weights rounded to bfloat16: names the
     weights, not the file (a .gguf and its safetensors conversion agree, and so do float32, float64 and
-    bfloat16 loads of either)."""
+    bfloat16 loads of either). A quantized load (`quantize=`) holds other numbers than the file: its loader
+    keeps the sample as the file has it (`model.fingerprint_samples`), so it is recognised as the float load is."""
     h = hashlib.sha256(json.dumps(dataclasses.asdict(model.cfg), sort_keys=True, default=str).encode())
-    layer = model.layers[0]
-    every = lambda rows: slice(None, None, max(1, rows // 64))  # noqa: E731  (~64 rows of each weight)
-    samples = [embedding_rows(model.embed_tokens, every(model.embed_tokens.num_embeddings))]  # only those rows
-    samples += [w[every(w.shape[0])] for w in (linear_weight(layer.mlp.down_proj),
-                                               linear_weight(model.layers[-1].mlp.down_proj))]
+    samples = getattr(model, "fingerprint_samples", None)
+    if samples is None:
+        embed, first, last = model.embed_tokens, model.layers[0].mlp.down_proj, model.layers[-1].mlp.down_proj
+        samples = [embedding_rows(embed, fingerprint_rows(embed.num_embeddings))]  # only those rows
+        samples += [w[fingerprint_rows(w.shape[0])] for w in (linear_weight(first), linear_weight(last))]
     for sample in samples:  # [~64, E] each
         sample = sample.detach().to("cpu", torch.bfloat16).to(torch.float32).contiguous()
         h.update(sample.numpy().tobytes())

@@ -31,6 +31,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import CheckpointError
+from .feature_draft import fingerprint_rows, fingerprint_weights
 from .finite import check_finite
 from .quant import QuantRows, finish_loading, quantized_parameters
 from .transformer import Transformer, fusion_layout
@@ -430,6 +431,13 @@ class GGUFTensors:
                 rows.add_float(offset + first, parts[0], label)
         self.file.release(t)
 
+    def read_rows(self, name: str, rows: slice) -> torch.Tensor:
+        """Rows `rows` of 2-D weight `name` as the float load reads them, one row at a time: [len, K] float32
+        (a weight whose rows llama.cpp permuted, Q and K, is refused: its rows move by head)."""
+        if next(self._chunks(name))[2] is not None:
+            raise ValueError(f"{name}: llama.cpp permuted its rows; read it whole")
+        return torch.from_numpy(np.concatenate([self._rows(name, i, i + 1) for i in range(self.shape(name)[0])[rows]]))
+
     def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(self.shape(name), dtype=dtype)
         self.read_into(name, out)
@@ -470,11 +478,14 @@ def load_gguf_model(path, dtype=torch.float32, device="cpu", fuse: bool = True,
     quantized = quantized_parameters(model, quantize) if quantize else {}
     final: dict[str, torch.Tensor] = {}
     rows: dict[str, QuantRows] = {}
+    samples = {}  # a quantized load: the fingerprint's sample of the weights as the file holds them
     check_s = 0.0
     for name in sorted(weights.names):
         param, row = placement[name]
         label = f"{path}: tensor {weights.names[name].name!r}"
         if param in quantized:
+            if name in fingerprint_weights(cfg):
+                samples[name] = weights.read_rows(name, fingerprint_rows(weights.shape(name)[0]))
             if param not in rows:
                 rows[param] = QuantRows(quantized[param], tuple(params[param].shape), label, check_weights)
             weights.read_quantized(name, rows[param], row or 0, label)
@@ -485,5 +496,8 @@ def load_gguf_model(path, dtype=torch.float32, device="cpu", fuse: bool = True,
         weights.read_into(name, written)
         if check_weights:
             check_s += check_finite(written, label)
-    return finish_loading(model, final, rows, weights.tied, dtype, device, quantize,
-                          check_s if check_weights else None)
+    model = finish_loading(model, final, rows, weights.tied, dtype, device, quantize,
+                           check_s if check_weights else None)
+    if set(samples) == set(fingerprint_weights(cfg)):  # every sampled weight was quantized
+        model.fingerprint_samples = [samples[name] for name in fingerprint_weights(cfg)]
+    return model

@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from .config import ModelConfig, read_json
 from .errors import CheckpointError
+from .feature_draft import fingerprint_rows, fingerprint_weights
 from .finite import check_finite
 from .gguf import DEQUANT_CHUNK_ELEMENTS, load_gguf_model
 from .quant import QuantRows, check_format, finish_loading, quantized_parameters
@@ -118,6 +119,7 @@ def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_wei
     rows: dict[str, QuantRows] = {}  # quantized parameter name -> its rows, filled as the parts are read
     final: dict[str, torch.Tensor] = {}  # parameter name -> its tensor (filled in place)
     origin: dict[str, str] = {}  # checkpoint name -> file
+    samples = {}  # a quantized load: the fingerprint's sample of the weights (models/feature_draft.py)
     check_s = 0.0
     for file, keys in weight_files(path).items():
         if not os.path.exists(file):
@@ -149,6 +151,8 @@ def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_wei
                         raise CheckpointError(
                             f"{file}: weight {key!r} has shape {tuple(mapped.shape)}, expected {shape}")
                     if param in quantized:
+                        if name in fingerprint_weights(cfg):  # as the file holds it, before quantizing
+                            samples[name] = mapped[fingerprint_rows(shape[0])].float()
                         label = f"{file}: weight {key!r}"
                         if param not in rows:
                             rows[param] = QuantRows(quantized[param], tuple(params[param].shape), label, check_weights)
@@ -177,5 +181,8 @@ def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_wei
     if missing:
         shown = ", ".join(repr("model." + m if m != "lm_head.weight" else m) for m in missing[:5])
         raise CheckpointError(f"{path}: missing weight(s) {shown}{' ...' if len(missing) > 5 else ''}")
-    return finish_loading(model, final, rows, tied, dtype, device, quantize, check_s if check_weights else None)
+    model = finish_loading(model, final, rows, tied, dtype, device, quantize, check_s if check_weights else None)
+    if set(samples) == set(fingerprint_weights(cfg)):  # every sampled weight was quantized
+        model.fingerprint_samples = [samples[name] for name in fingerprint_weights(cfg)]
+    return model
 

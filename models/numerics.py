@@ -7,8 +7,8 @@ a verify pass, in a batch of 8, at any row, after any left padding. Per op, on t
 
 | op | ordinary path | batch-invariant mode |
 |---|---|---|
-| linear (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`, `lm_head`) | MKL picks a kernel by M = B*T: float32/float64 rows change with M | `kernels.bi_matmul.bi_linear`: CPU float32 oneDNN on a packed weight (kept per layer, `packed_weight`), bfloat16 `F.linear`, float64 MKL on rows padded to a multiple of 4; Triton: fixed tiles, no split-K |
-| attention | SDPA's blocks start at column 0 and depend on T: not invariant | `kernels.bi_attention.bi_attention`: chunks from each row's first key |
+| linear (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`, `lm_head`) | MKL picks a kernel by M = B*T: float32/float64 rows change with M | `kernels.bi_matmul.bi_linear`: CPU float32 oneDNN on a packed weight (kept per layer, `packed_weight`), bfloat16 `F.linear`, float64 MKL on rows padded to a multiple of 4 -- each run as `bi_matmul.cpu_plan` measures it keeps rows on this CPU (up to prefill-sized calls; else on one thread or in fixed 16-row calls); Triton: fixed tiles, no split-K |
+| attention | SDPA's blocks start at column 0 and depend on T: not invariant | `kernels.bi_attention.bi_attention`: chunks from each row's first key (its batched matmuls measured like the linear layers: `bmm_plan`) |
 | SiLU | float32/float64: the vectorised and the scalar tail loop differ in the last bit, and where the tail falls depends on the tensor's size and thread split | `x / (1 + exp(-x))` (exp, +, / give the same bits wherever the element sits); bfloat16's `F.silu` is invariant (all 65536 inputs checked) and kept |
 | RMSNorm, q/k norm | one row at a time, fixed order: invariant | unchanged |
 | RoPE (`cos`/`sin` of float32 angles, mul/add) | invariant (vectorised `cos`/`sin` are used for every element) | unchanged |
@@ -29,6 +29,7 @@ from torch import nn
 from specdec.kernels.bi_attention import Workspace, bi_attention, chunk_plan, first_keys
 from specdec.kernels.bi_matmul import bi_linear, pack_weight
 from specdec.kernels.dispatch import choose_backend, one_thread
+from specdec.kernels.rmsnorm import rms_norm as bi_rms_norm
 
 from .quant import COMPUTE_DTYPE, QuantLinear
 
@@ -246,9 +247,13 @@ def sdpa(q, k, v, attn_bias, gqa: bool, causal: bool = False):
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **mask)  # [B, H, T, D]
 
 
-def rms_norm(x, weight, eps: float):
+def rms_norm(x, weight, eps: float, invariant: bool = False, backend: str | None = None):
     """HF's RMSNorm: normalise in float32, cast back to x's dtype, then scale by `weight`. In float32 one op
-    (`F.rms_norm` gives the same bits as the chain: tests/test_models.py); other dtypes the chain's order."""
+    (`F.rms_norm` gives the same bits as the chain: tests/test_lean_forward.py); other dtypes the chain's order.
+    Batch-invariant on the Triton backend: `kernels.rmsnorm` (one program per row; torch's CUDA reductions
+    choose their strategy by shape). The CPU's reductions are row by row: invariant as they are."""
+    if invariant and choose_backend(x, backend) == "triton":
+        return bi_rms_norm(x, weight, eps, backend="triton")
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)

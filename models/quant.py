@@ -51,8 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kernels.quant_matmul import (FORMATS, GROUP, INT4_OFFSET, dequantize_int4, pack_nibbles, quant_matmul,
-                                          unpack_nibbles)
+from specdec.kernels.quant_matmul import (FORMATS, GROUP, INT4_OFFSET, dequantize_int4, k_major, pack_nibbles,
+                                          quant_matmul, unpack_nibbles)
 
 from .errors import CheckpointError
 from .finite import check_finite
@@ -122,12 +122,13 @@ class QuantLinear(nn.Module):
                                      persistent=False)  # [N', K/2] uint8, torch's own layout
                 self.register_buffer("scales_zeros", torch.stack((scales.t(), zeros.t()), dim=-1).contiguous(),
                                      persistent=False)  # [G, N', 2]
-            else:
-                self.register_buffer("nibbles", pack_nibbles(codes), persistent=False)  # [N, K/2] uint8
-                self.register_buffer("scales", scales, persistent=False)
-                self.register_buffer("zeros", zeros, persistent=False)
+            else:  # the Triton kernel's layout: K-major views (`k_major`: a group's codes for many rows contiguous)
+                self.register_buffer("nibbles", k_major(pack_nibbles(codes)), persistent=False)  # [N, K/2] uint8
+                self.register_buffer("scales", k_major(scales), persistent=False)  # [N, G]
+                self.register_buffer("zeros", k_major(zeros), persistent=False)  # [N, G]
         elif fmt == "int8":
-            self.register_buffer("codes", codes.contiguous(), persistent=False)  # [N, K] int8
+            codes = codes.contiguous() if self.on_cpu else k_major(codes)  # torch's CPU kernel takes [N, K] rows
+            self.register_buffer("codes", codes, persistent=False)  # [N, K] int8
             self.register_buffer("scales", scales.to(COMPUTE_DTYPE), persistent=False)  # [N]
         else:
             raise ValueError(f"unknown quantized format {fmt!r}")

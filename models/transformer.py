@@ -37,10 +37,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.batch_invariant = False  # set by Transformer.batch_invariant (models/numerics.py)
 
     def forward(self, x):
         # HF order: normalise in float32, cast back, then scale (it matters for parity)
-        return numerics.rms_norm(x, self.weight, self.eps)
+        return numerics.rms_norm(x, self.weight, self.eps, self.batch_invariant)
 
 
 class StepInputs(NamedTuple):
@@ -237,6 +238,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:  # the local: a subclass may redefine `embed_tokens` (models/feature_draft.py)
             self.lm_head.weight = embed_tokens.weight
         self.compiled_forward = None  # set by `compile_forward`
+        self.graph_runner = None  # models/graphs.py GraphRunner: plain steps as CUDA graph replays (`use_graphs`)
         self._compile_mode = None
         self._batch_invariant = False
         self._packed_linear = False
@@ -257,6 +259,9 @@ class Transformer(nn.Module):
         self._batch_invariant = bool(on)
         for layer in self.layers:
             layer.self_attn.batch_invariant = layer.mlp.batch_invariant = bool(on)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.batch_invariant = bool(on)
 
     @property
     def packed_linear(self) -> bool:
@@ -387,6 +392,10 @@ class Transformer(nn.Module):
         if hidden not in (None, "all", "last"):
             raise ValueError(f"hidden must be None, 'all' or 'last', got {hidden!r}")
         B, T = input_ids.shape
+        if self.graph_runner is not None and self.compiled_forward is None:
+            out = self.graph_runner.run(input_ids, cache, logits, hidden, num_new, features)
+            if out is not None:  # a replay (or, without capture, its static-buffer path); else eager below
+                return out
         compiled = self.compiled_forward is not None and num_new is None  # steps; prefills (varied shapes) run eager
         compiled = compiled and not self.batch_invariant
         host_new = [T] * B if num_new is None else list(num_new)
@@ -478,6 +487,14 @@ class Transformer(nn.Module):
         if hidden is None:
             return logits
         return logits, (h if hidden == "all" else out)
+
+    def use_graphs(self, on: bool = True, capture: bool | None = None) -> "Transformer":
+        """Run plain steps (every row T real tokens) through CUDA graphs captured per rows bucket and T
+        (models/graphs.py); `capture` False runs the graphs' static-buffer path eagerly (CPU tests)."""
+        from .graphs import GraphRunner
+
+        self.graph_runner = GraphRunner(self, capture=capture) if on else None
+        return self
 
     def compile_forward(self, mode: str | None = None) -> "Transformer":
         """Compile `forward_tensors` with torch.compile (inductor; `mode="reduce-overhead"` adds CUDA graphs

@@ -17,6 +17,7 @@ import shutil
 import sys
 import tempfile
 
+from specdec.flags import Parser
 from specdec.models import CheckpointError
 from specdec.models.gguf import GGUFTensors
 from specdec.models.gguf_tokenizer import build_gguf_tokenizer
@@ -90,7 +91,7 @@ def convert(gguf_path: str, out_dir: str, dtype="float32") -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m specdec.convert", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m specdec.convert", description=__doc__.split("\n\n")[0])
     parser.add_argument("gguf", help="the .gguf file to convert (architectures llama, qwen2, qwen3)")
     parser.add_argument("out_dir", help="the HF checkpoint directory to write (must not exist, or be empty)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),

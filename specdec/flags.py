@@ -16,6 +16,14 @@ LOOKUPS = ("ngram", "suffix")
 METHODS = ("ar", "eqspec", "exspec", "ragged")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser with a refusal of one line, `PROG: error: MESSAGE (PROG --help lists the flags)`, exit 2:
+    argparse's own prints its usage block first (26 lines for specdec.run), burying the line that matters."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -30,14 +38,34 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def port_number(text: str) -> int:
+    """A TCP port: 0 (any free one) to 65535."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, got {value}")
+    return value
+
+
 def k_value(text: str):
     """-k: "auto" or an int >= 1."""
     if text.strip().lower() == "auto":
         return "auto"
     try:
         return positive_int(text)
-    except ValueError:
+    except (ValueError, argparse.ArgumentTypeError):
         raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {text!r}") from None
+
+
+def batch_invariant_value(text: str):
+    """--batch-invariant's value: "auto", or on/off (true/false, yes/no, 1/0) -> True/False."""
+    value = text.strip().lower()
+    if value == "auto":
+        return "auto"
+    if value in ("on", "true", "yes", "1"):
+        return True
+    if value in ("off", "false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"must be auto, on or off, got {text!r}")
 
 
 # flag dest -> LLM keyword; every flag `add_engine_arguments` adds is here (tests/test_flags.py checks it)
@@ -48,7 +76,8 @@ ENGINE_KWARGS = {
     "compile": "compile", "packed_weights": "packed_weights", "batch_invariant": "batch_invariant",
     "profile": "profile", "lookup": "lookup", "lookup_min_match": "lookup_min_match", "ngram_min": "ngram_min",
     "ngram_max": "ngram_max", "suffix_store_tokens": "suffix_store_tokens", "quantize": "quantize",
-    "draft_quantize": "draft_quantize", "prefix_cache_gb": "prefix_cache_gb", "prefill_chunk": "prefill_chunk",
+    "draft_quantize": "draft_quantize", "cuda_graphs": "cuda_graphs", "prefix_cache_gb": "prefix_cache_gb",
+    "prefill_chunk": "prefill_chunk",
 }
 
 QUANTIZE = ("int8", "int4")  # specdec.models.quant.FORMATS (tests/test_flags.py holds them equal)
@@ -79,9 +108,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str = "rows dec
                    "ragged = per-row offsets, never realign")
     p.add_argument("--batch-size", type=positive_int, default=8, help=batch_help)
     p.add_argument("-k", "--num-speculative-tokens", type=k_value, default="auto", help="draft tokens per step: "
-                   "'auto' chooses k in 0..--max-speculative-tokens every step from costs measured on this machine "
-                   "(cached under ~/.cache/specdec) and each request's acceptance (0 = a step without the draft); "
-                   "or a fixed integer")
+                   "'auto' chooses k every step, from 0 (a step of the target alone) to --max-speculative-tokens, "
+                   "from costs measured on this machine (cached under ~/.cache/specdec) and each request's "
+                   "acceptance; or a fixed integer >= 1 (no draft at all: --method ar)")
     p.add_argument("--max-speculative-tokens", type=positive_int, default=8, help="the largest k that -k auto may "
                    "choose")
     p.add_argument("--window-size", type=positive_int, default=48, help="exspec: pool of live sequences")
@@ -99,14 +128,20 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str = "rows dec
                    "every step (slow; raises naming the invariant, row and column)")
     p.add_argument("--compile", action="store_true", help="torch.compile the target and draft forwards (CUDA: with "
                    "CUDA graphs); the first steps of each shape compile (tens of seconds on a CPU, see docs/api.md)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA: run decode and verify steps as CUDA graph replays, captured per rows bucket (1, 2, 4, "
+                        "8, 16, 32) and step length on first use (docs/design.md, the forward). Default: on on CUDA; "
+                        "refused elsewhere")
     p.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="CPU float32: run steps of 2 to 64 token rows through oneDNN on linear weights packed "
+                   help="CPU float32: run steps of 1 to 64 token rows through oneDNN on linear weights packed "
                         "once (one extra copy of them; 1.2-1.5x faster multi-token forwards of the default pair, "
                         "docs/benchmarks/packed-weights.md). Default: on for float32 CPU models whose linear weights take at most "
                         "1 GiB")
-    p.add_argument("--batch-invariant", action="store_true", help="batch-invariant numerics: a token's logits are "
-                   "the same bits whatever else shares the forward, so greedy speculative output equals AR bit for "
-                   "bit in bfloat16 and float32 too (slower; docs/design.md)")
+    p.add_argument("--batch-invariant", nargs="?", type=batch_invariant_value, const=True, default="auto",
+                   metavar="{auto,on,off}", help="batch-invariant numerics: a token's logits are the same bits "
+                   "whatever else shares the forward, so greedy speculative output equals AR bit for bit in "
+                   "bfloat16 and float32 too (slower; docs/design.md). Bare flag: on. Default auto: on for the "
+                   "speculative methods on CUDA where a start-up measurement finds it costs at most 1.15x, else off")
     # checked by LLM (one line naming the flag), not by argparse (its usage text and error span several lines)
     p.add_argument("--prefix-cache-gb", type=float, metavar="GIB", help="keep the K/V of prompts and outputs "
                    "seen before, in at most this many GiB (least recently used dropped first): a prompt that begins "

@@ -13,6 +13,7 @@ from specdec.models.feature_draft import is_feature_draft, load_feature_draft
 from specdec.models.numerics import packing_pays, set_batch_invariant
 from specdec.models.quant import check_format
 
+from . import bi_mode
 from .autok import make_chooser
 from .devices import engine_device
 from .drafts import shipped_draft
@@ -85,11 +86,11 @@ class LLM:
                  kernel_backend: str | None = None, window_size: int = 48, max_wait_steps: int = 8,
                  tokenizer=None, check_weights: bool = False, max_speculative_tokens: int = 8,
                  realign_cost_ratio: float = 0.175, fold_shift: bool = False, compile: bool | None = None,
-                 profile: bool = False, cost_cache: str | None = None, batch_invariant: bool = False,
+                 profile: bool = False, cost_cache: str | None = None, batch_invariant: bool | str = "auto",
                  packed_weights: bool | None = None, lookup: str | None = None, lookup_min_match: int = 2,
                  ngram_min: int = 1, ngram_max: int = 4, suffix_store_tokens: int = 16384, proposer=None,
-                 quantize: str | None = None, draft_quantize: str | None = None, prefix_cache_gb: float | None = None,
-                 prefill_chunk: int | None = None):
+                 quantize: str | None = None, draft_quantize: str | None = None, cuda_graphs: bool | None = None,
+                 prefix_cache_gb: float | None = None, prefill_chunk: int | None = None):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
@@ -98,6 +99,7 @@ class LLM:
         k = num_speculative_tokens
         if speculative and k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"num_speculative_tokens must be 'auto' or an int >= 1 for method {method!r}, got {k!r}")
+        bi_mode.check_setting(batch_invariant)
         if method == "exspec" and window_size < batch_size:
             raise ValueError(f"window_size ({window_size}) must be >= batch_size ({batch_size})")
         if check_invariants is None:
@@ -163,7 +165,12 @@ class LLM:
         self.suffix_store = SuffixStore(suffix_store_tokens) if suffix_store_tokens else None
         self.specs = (target, draft)  # what the models were loaded from (auto k caches costs per checkpoint)
         self.draft = self._model(draft, dtype, self.quantize["draft"]) if speculative and draft is not None else None
-        if batch_invariant:  # models/numerics.py; False leaves model objects as they are
+        # True / False / "auto" (specdec/bi_mode.py: on for speculative methods on CUDA where it costs <= 1.15x)
+        self.batch_invariant_choice = bi_mode.choose(
+            batch_invariant, self.target, self.draft, self.device, speculative, batch_size, self.k,
+            self.options.max_speculative_tokens, compile, target, cost_cache)
+        bi_mode.announce(self.batch_invariant_choice)
+        if self.batch_invariant_choice.on:  # models/numerics.py; off leaves model objects as they are
             for model in (self.target, self.draft):
                 if model is not None:
                     set_batch_invariant(model, True)
@@ -184,6 +191,7 @@ class LLM:
         self.target_name = f"target {target}" if isinstance(target, (str, os.PathLike)) else "the target model"
         if compile:
             self._compile()
+        self._use_graphs(cuda_graphs, compile)
         self.chooser = make_chooser(self) if self.options.auto_k else None
 
     def _compile(self) -> None:
@@ -195,6 +203,25 @@ class LLM:
             if not hasattr(model, "compile_forward"):
                 raise ValueError(f"compile=True needs models with compile_forward(); {type(model).__name__} has none")
             model.compile_forward(mode)
+
+    def _use_graphs(self, cuda_graphs: bool | None, compile: bool) -> None:
+        """`cuda_graphs`: None (default) runs the steps of our own models as CUDA graph replays on CUDA (not
+        with `compile`, whose "reduce-overhead" mode captures its own); True asks for it (refused off CUDA)."""
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device; this LLM runs on {self.device}")
+        if cuda_graphs and compile:
+            raise ValueError("cuda_graphs=True and compile=True: the compiled forward captures its own graphs; "
+                             "choose one")
+        if cuda_graphs is None and self.device.type != "cuda":
+            return  # a model object keeps what its owner set
+        on = not compile if cuda_graphs is None else cuda_graphs
+        for model in (self.target, self.draft):
+            if model is not None and hasattr(model, "use_graphs"):
+                model.use_graphs(on)
+            elif on and cuda_graphs:
+                raise ValueError(f"cuda_graphs=True needs models with use_graphs(); {type(model).__name__} has none")
 
     @staticmethod
     def _set_packed_weights(model, packed: bool | None) -> None:
@@ -270,7 +297,8 @@ class LLM:
         need = positions_needed(len(ids), params.max_tokens, self.options.k_max)
         if need > self.max_context:
             raise ValueError(
-                f"{name} has {len(ids)} tokens; with max_tokens={params.max_tokens} and k={self.options.k_max} "
+                f"{name} has {len(ids)} token{'' if len(ids) == 1 else 's'}; with max_tokens={params.max_tokens} and "
+                f"k={self.options.k_max} "
                 f"it needs {need} positions but the model context is {self.max_context}")
 
     def prompt_ids(self, prompt, name: str = "prompt") -> list[int]:

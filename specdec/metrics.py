@@ -80,6 +80,7 @@ class RunMetrics:
             "method": self.method, "batch_size": self.batch_size, "num_requests": self.num_requests,
             "generated_tokens": self.generated_tokens, "wall_time_s": self.wall_time_s,
             "tokens_per_s": self.tokens_per_s, "acceptance_rate": self.acceptance_rate,
+            "proposed_drafts": self.proposed_drafts, "accepted_drafts": self.accepted_drafts,
             "mean_tokens_per_step": self.mean_tokens_per_step, "steps": self.steps,
             "target_forwards": self.target_forwards, "draft_forwards": self.draft_forwards,
             "realign_share": self.realign_share, "grouping_rate": self.grouping_rate,

@@ -20,14 +20,14 @@ import sys
 import threading
 
 from .distributed import add_arguments as add_ray_arguments, wants_ray
-from .flags import add_engine_arguments, build_llm, checkpoint_pair, positive_int
+from .flags import Parser, add_engine_arguments, build_llm, checkpoint_pair, positive_int
 from .output import JsonlOutput, check_paths
 from .prompts import DEFAULT_PROMPTS, read_prompts
 from .summary import metrics_row, summary_table
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m specdec.run",
         description="Batch speculative decoding (exact EQSPEC / EXSPEC / ragged) on Llama/Vicuna, Qwen3 and "
                     "GLM-4 checkpoints. Without --target/--draft it uses the embedded default pair.",
@@ -123,6 +123,7 @@ def run(args, sink: JsonlOutput | None = None) -> int:
     if compare and args.method != "ar":  # AR with the same (already loaded) target, warmed up like the rest
         ar = build_llm(args, target=llm.target, draft=None, method="ar", device=llm.device, tokenizer=llm.tokenizer)
         warm_up([llm, ar], ids, params, args.batch_size)
+        forget_answers(llm)  # the warm-up's answers are the first prompts' first tokens: no drafting from them
     stream = None if sink is None else (lambda o: sink.write(o, prompts[o.index]))
     outputs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=show, on_output=stream)
     for o, text in zip(outputs, prompts):
@@ -134,27 +135,36 @@ def run(args, sink: JsonlOutput | None = None) -> int:
     if ar is not None:
         reference = ar.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=show)
         rows = [(reference.metrics, None), (outputs.metrics, reference.metrics.tokens_per_s)]
-        if args.batch_size > 1:  # batch 1 too: the speed-up a single user sees
+        if min(args.batch_size, len(ids)) > 1:  # batch 1 too: the speed-up a single user sees
             n = min(len(ids), BATCH1_PROMPTS)
             ar1 = ar.generate(prompt_token_ids=ids[:n], sampling_params=params[:n], use_tqdm=show, batch_size=1)
+            forget_answers(llm)  # these prompts were answered by the run above: a lookup must not draft from that
             spec1 = llm.generate(prompt_token_ids=ids[:n], sampling_params=params[:n], use_tqdm=show, batch_size=1)
             rows = [(ar1.metrics, None), (spec1.metrics, ar1.metrics.tokens_per_s)] + rows
 
+    if default_pair and args.samples > 0:
+        print(TOY_PAIR)
     for o in list(outputs)[: max(args.samples, 0)]:
         print(f"--- request {o.index} ({len(o.token_ids)} tokens, {o.finish_reason})")
         prompt = o.prompt + ("\n" if args.chat else "")  # a chat answer is a new turn, not a continuation
         print(prompt + "\033[1m" + (o.text or "") + "\033[0m" if sys.stdout.isatty() else prompt + (o.text or ""))
     print()
     print(summary_table([metrics_row(m, args.num_speculative_tokens, ar_tps) for m, ar_tps in rows]))
-    if ar is not None and args.batch_size > 1:
+    if len(rows) == 4:
         print(f"(batch-1 rows: the first {min(len(ids), BATCH1_PROMPTS)} prompts; every method warmed up before timing)")
+    repeats = repeated_prompts(ids)
+    if repeats and llm.suffix_store is not None and "suffix" in (llm.drafter, llm.lookup):
+        print(f"({repeats} of the prompts {'repeats' if repeats == 1 else 'repeat'} an earlier one: suffix drafts "
+              f"from the answers this run already gave, as a server would; each timed run starts with an empty store)")
     if args.metrics:
         write_metrics(args.metrics, [m for m, _ in rows])
     m = outputs.metrics
     if llm.chooser is not None and m.measured_step_s:
         print(f"k chosen per step: {dict(sorted(m.k_histogram.items()))}; cost model predicted "
               f"{m.predicted_step_s:.2f} s of step time, measured {m.measured_step_s:.2f} s")
-    print(f"\n{m.num_requests} requests, {m.generated_tokens} tokens in {m.wall_time_s:.2f} s; "
+    setup = f" (+ {m.calibration_s:.2f} s measuring forward costs for auto k, once)" if m.calibration_s >= 0.01 else ""
+    print(f"\n{plural(m.num_requests, 'request')}, {plural(m.generated_tokens, 'token')} in {m.wall_time_s:.2f} s"
+          f"{setup}; "
           f"target forwards {m.target_forwards}, draft forwards {m.draft_forwards}; dtype {args.dtype}, "
           f"device {device_summary(llm.device, args.device)}, torch threads {torch.get_num_threads()}")
     if args.check_weights:
@@ -169,7 +179,26 @@ def run(args, sink: JsonlOutput | None = None) -> int:
     return 0
 
 
+TOY_PAIR = ("(the embedded pair is a toy: a 15.7M-parameter target and a 3.6M-parameter draft trained for about an "
+            "hour on the Python standard library, to show the method on real text; they write plausible-looking, "
+            "repetitive Python, not useful code. --target a real model for real answers: README.md, 'A real model')")
 BATCH1_PROMPTS = 8  # prompts of the batch-1 comparison rows (--compare-ar with --batch-size > 1)
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def forget_answers(llm) -> None:
+    """Empty the suffix store (the answers of earlier runs): a timed run must not draft a prompt from its
+    own answer, decoded moments before by the warm-up or the other side of the comparison."""
+    if llm.suffix_store is not None:
+        llm.suffix_store.clear()
+
+
+def repeated_prompts(ids) -> int:
+    """How many prompts repeat an earlier one, token for token."""
+    return len(ids) - len({tuple(p) for p in ids})
 
 
 def warm_up(llms, ids, params, batch_size: int) -> None:

@@ -3,12 +3,17 @@ from __future__ import annotations
 
 
 def summary_table(rows: list[dict]) -> str:
-    header = ["method", "batch", "k", "tokens/s", "acceptance", "tokens/step", "realign share", "speed-up vs AR",
-              "drafter"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    """The rows as a markdown table; the realign share (timed only with --profile) is a column only when
+    some row has one."""
+    columns = [("method", "method"), ("batch", "batch_size"), ("k", "k"), ("tokens/s", "tokens_per_s"),
+               ("acceptance", "acceptance"), ("tokens/step", "tokens_per_step"), ("realign share", "realign_share"),
+               ("speed-up vs AR", "speedup"), ("drafter", "drafter")]
+    if all(r["realign_share"] == "-" for r in rows):
+        columns.remove(("realign share", "realign_share"))
+    formats = {"tokens_per_s": "{:.1f}", "tokens_per_step": "{:.2f}"}
+    lines = ["| " + " | ".join(title for title, _ in columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['batch_size']} | {r['k']} | {r['tokens_per_s']:.1f} | {r['acceptance']} | "
-                     f"{r['tokens_per_step']:.2f} | {r['realign_share']} | {r['speedup']} | {r['drafter']} |")
+        lines.append("| " + " | ".join(formats.get(key, "{}").format(r[key]) for _, key in columns) + " |")
     return "\n".join(lines)
 
 
@@ -27,8 +32,10 @@ def k_summary(metrics, k_setting) -> str:
 
 def metrics_row(metrics, k_setting, ar_tps: float | None) -> dict:
     speculative = metrics.method != "ar"
-    return {"method": metrics.method, "drafter": metrics.drafter or "-", "batch_size": metrics.batch_size, "k": k_summary(metrics, k_setting),
-            "tokens_per_s": metrics.tokens_per_s,
+    # the rows that could run at once: a batch size of 8 over 1 request decodes at batch 1
+    batch = min(metrics.batch_size, metrics.num_requests) if metrics.num_requests else metrics.batch_size
+    return {"method": metrics.method, "drafter": metrics.drafter or "-", "batch_size": batch,
+            "k": k_summary(metrics, k_setting), "tokens_per_s": metrics.tokens_per_s,
             "acceptance": f"{metrics.acceptance_rate:.1%}" if speculative and metrics.proposed_drafts else "-",
             "tokens_per_step": metrics.mean_tokens_per_step,
             "realign_share": f"{metrics.realign_share:.1%}" if metrics.profiled and speculative else "-",

@@ -7,6 +7,7 @@ The Triton kernels run under the interpreter here (TRITON_INTERPRET=1, set by co
 with their torch references; `test_kernels_compile_for_sm90` compiles them for an H100/H200 without a GPU.
 """
 import contextlib
+import functools
 import os
 import random
 import subprocess
@@ -36,39 +37,149 @@ needs_triton = pytest.mark.skipif(not (dispatch.triton_available() and (INTERPRE
                                   reason="needs triton with TRITON_INTERPRET=1, or a CUDA device")
 
 
-def rows_alone_vs_batched(fn, X, sizes=(1, 2, 3, 4, 5, 8, 17, 48), shifts=(0, 1, 3), alone=24):
-    """(M, shift) cases where a row of fn(X[s:s+M]) differs from fn of that row alone."""
+def rows_alone_vs_batched(fn, X, sizes=(1, 2, 3, 4, 5, 8, 17, 48), shifts=(0, 1, 3), alone=24, tile=8):
+    """(M, shift) cases where a row of fn(X[s:s+M]) differs from fn of that row alone. Every row of every call
+    is compared, with the row as computed in calls of `tile` rows, whose first `alone` rows are compared with
+    each row alone (a kernel that rounds differently may change only a few elements of a large call)."""
     ref = torch.cat([fn(X[i:i + 1].clone()) for i in range(alone)])
-    bad = []
+    tiled = torch.cat([fn(X[i:i + tile].clone()) for i in range(0, len(X), tile)])
+    bad = [(1, "tiles")] if not torch.equal(tiled[:alone], ref) else []
     for M in sizes:
         for s in shifts:
-            n = min(M, alone - s)
-            if not torch.equal(fn(X[s:s + M].clone())[:n], ref[s:s + n]):
+            rows = fn(X[s:s + M].clone())
+            if not torch.equal(rows, tiled[s:s + len(rows)]):
                 bad.append((M, s))
     return bad
 
 
 # ------------------------------------------------------------------------------------------------ linear
-def test_a_cpu_whose_threads_change_rows_multiplies_on_one_thread(monkeypatch):
+@pytest.fixture
+def fresh_plans(monkeypatch):
+    """The row probes and plans of bi_matmul and bi_attention with caches of the test's own (a stand-in
+    kernel's verdict must not stay in the process's caches)."""
+    for module, names in ((bm, ("rows_keep_bits", "cpu_plan")), (ba, ("bmm_keeps_rows", "bmm_plan"))):
+        for name in names:
+            monkeypatch.setattr(module, name, functools.cache(getattr(module, name).__wrapped__))
+
+    def clear():
+        for fn in (bm.rows_keep_bits, bm.cpu_plan, ba.bmm_keeps_rows, ba.bmm_plan):
+            if hasattr(fn, "cache_clear"):  # (not a test's own stand-in)
+                fn.cache_clear()
+
+    return clear
+
+
+def other_kernel(x, weight, bias=None):
+    """Another bfloat16 kernel's result: float32 sums rounded toward zero, not to nearest (other last bits in
+    about half the outputs)."""
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return (y.view(torch.int32) & -65536).view(torch.float32).to(x.dtype)  # low 16 bits cleared: exact in bf16
+
+
+def kernel_by_rows(takes_other):
+    """A stand-in for `bi_matmul._cpu_linear` on a CPU whose library picks its kernel by the call's shape (as
+    oneDNN picks AMX or AVX-512 kernels): calls of M rows with takes_other(M) run `other_kernel`."""
+    real = bm._cpu_linear
+
+    def kernel(x, weight, bias=None, packed=None):
+        return other_kernel(x, weight, bias) if takes_other(x.shape[0]) else real(x, weight, bias, packed)
+
+    return kernel
+
+
+def kernel_by_position():
+    """A stand-in whose rows after a call's first take `other_kernel` (a row's bits depend on where it sits)."""
+    real = bm._cpu_linear
+
+    def kernel(x, weight, bias=None, packed=None):
+        y = real(x, weight, bias, packed)
+        y[1:] = other_kernel(x[1:], weight, bias)
+        return y
+
+    return kernel
+
+
+def test_a_cpu_whose_threads_change_rows_multiplies_on_one_thread(monkeypatch, fresh_plans):
     """The guard the H200 machine's host CPU needed (float32 via oneDNN changed rows at two threads): where
-    `threads_keep_rows` finds rows differ at the caller's thread count, the path runs on one thread and the
+    `rows_keep_bits` finds rows differ at the caller's thread count, the path runs on one thread and the
     caller's count is restored; where they agree, or on one thread, it runs as called."""
     seen = []
-    real, probe = bm._cpu_linear, bm.threads_keep_rows
+    real = bm._cpu_linear
     monkeypatch.setattr(bm, "_cpu_linear", lambda *a: seen.append(torch.get_num_threads()) or real(*a))
     x, w = torch.randn(3, 16), torch.randn(8, 16)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        monkeypatch.setattr(bm, "threads_keep_rows", lambda dtype, n: False)
+        monkeypatch.setattr(bm, "rows_keep_bits", lambda dtype, plan, shape: plan.threads == 1)
         bm.bi_matmul_reference(x, w)
         assert seen == [1] and torch.get_num_threads() == 2
-        monkeypatch.setattr(bm, "threads_keep_rows", lambda dtype, n: True)
+        monkeypatch.setattr(bm, "rows_keep_bits", lambda dtype, plan, shape: True)
+        fresh_plans()
         bm.bi_matmul_reference(x, w)
         assert seen == [1, 2]
     finally:
         torch.set_num_threads(threads)
-    assert probe.__wrapped__(torch.float32, 1)  # the probe itself (uncached): one thread agrees here
+
+
+def test_a_cpu_whose_kernel_switches_with_the_call_size_multiplies_in_fixed_blocks(monkeypatch, fresh_plans):
+    """Issue 42: on an Intel host exspec left AR's path on one prompt of 96, in bfloat16, at one thread too;
+    exspec prefills its whole pool in one call (1035-1248 rows there; no call of the other methods exceeded
+    184 rows). On a CPU whose bfloat16 kernel changes above some call size the probe sees it, and the layer then
+    multiplies BLOCK_ROWS rows per call: every row, alone or in a prefill of 1248 rows, keeps its bits."""
+    monkeypatch.setattr(bm, "_cpu_linear", kernel_by_rows(lambda M: M > 256))
+    g = torch.Generator().manual_seed(4)
+    W, b = torch.randn(640, 384, generator=g).bfloat16(), torch.randn(640, generator=g).bfloat16()
+    X = torch.randn(1300, 384, generator=g).bfloat16()
+    sizes = (1, 3, 48, 300, 1248)
+    assert rows_alone_vs_batched(lambda x: bm._cpu_linear(x, W, b), X, sizes=sizes) == [
+        (M, s) for M in (300, 1248) for s in (0, 1, 3)]  # the stand-in: the library as called
+    threads = torch.get_num_threads()
+    assert not bm.rows_keep_bits(torch.bfloat16, bm.RowPlan(threads, None), (640, 384))  # the probe sees it
+    assert bm.cpu_plan(torch.bfloat16, threads, (640, 384)) == bm.RowPlan(threads, bm.BLOCK_ROWS)
+    assert rows_alone_vs_batched(lambda x: bm.bi_linear(x, W, b, backend="torch"), X, sizes=sizes) == []
+    calls = []
+    kernel = bm._cpu_linear
+    monkeypatch.setattr(bm, "_cpu_linear", lambda x, *a: calls.append(x.shape[0]) or kernel(x, *a))
+    y = bm.bi_linear(X[:37].view(1, 37, 384), W, b, backend="torch")
+    assert calls == [bm.BLOCK_ROWS] * 3 and y.shape == (1, 37, 640)  # 37 rows: three calls of 16, zeros pad
+    assert torch.allclose(y[0].double(), F.linear(X[:37].double(), W.double(), b.double()), atol=0.1, rtol=1e-2)
+
+
+def test_no_call_of_the_mode_is_larger_than_the_probed_ones(monkeypatch):
+    """The probes measure calls of up to MAX_CALL_ROWS rows (BMM_MAX_MATRICES x BMM_MAX_ROWS for the attention's
+    batched matmuls); the mode splits larger ones, so no call it makes is larger than one measured."""
+    sizes, shapes = [], []
+    real_linear, real_bmm = bm._cpu_linear, ba._library_bmm
+    monkeypatch.setattr(bm, "_cpu_linear", lambda x, *a: sizes.append(x.shape[0]) or real_linear(x, *a))
+    monkeypatch.setattr(ba, "_library_bmm", lambda a, b, out: shapes.append(a.shape[:2]) or real_bmm(a, b, out))
+    x, w = torch.randn(2100, 16), torch.randn(8, 16)
+    y = bm.bounded_linear(x, w)
+    assert sizes == [bm.MAX_CALL_ROWS, bm.MAX_CALL_ROWS, 52] and torch.allclose(y, F.linear(x, w), atol=1e-5)
+    a, b = torch.randn(300, 420, 8), torch.randn(300, 6, 8)
+    out = ba.bounded_bmm(a, b.transpose(1, 2), torch.empty(300, 420, 6))
+    assert max(n for n, _ in shapes) == ba.BMM_MAX_MATRICES and max(r for _, r in shapes) == ba.BMM_MAX_ROWS
+    assert len(shapes) == 3 * 3 and torch.allclose(out, torch.bmm(a, b.transpose(1, 2)), atol=1e-5)
+
+
+def test_row_probe_finds_the_first_plan_that_keeps_rows(monkeypatch, fresh_plans):
+    """`rows_keep_bits` holds for this CPU's paths as called (every dtype), and fails for kernels that change a
+    row with the call: another kernel for one row alone (a GEMV path), for prefill-sized calls, for rows after
+    a call's first. `cpu_plan` then takes fixed blocks, or one row per call where blocks change rows too; the
+    layer's rows then keep their bits."""
+    for dtype in DTYPES:
+        assert bm.rows_keep_bits(dtype, bm.RowPlan(1, None), (131, 64))
+    g = torch.Generator().manual_seed(5)
+    X, W = torch.randn(300, 64, generator=g).bfloat16(), torch.randn(131, 64, generator=g).bfloat16()
+    for name, kernel, plan in (("gemv", kernel_by_rows(lambda M: M == 1), bm.RowPlan(1, bm.BLOCK_ROWS)),
+                               ("prefill", kernel_by_rows(lambda M: M > 256), bm.RowPlan(1, bm.BLOCK_ROWS)),
+                               ("position", kernel_by_position(), bm.RowPlan(1, 1))):
+        monkeypatch.setattr(bm, "_cpu_linear", kernel)
+        fresh_plans()
+        assert not bm.rows_keep_bits(torch.bfloat16, bm.RowPlan(1, None), (131, 64)), name
+        with dispatch.one_thread():
+            assert bm.cpu_plan(torch.bfloat16, 1, (131, 64)) == plan, name
+            bad = rows_alone_vs_batched(lambda x: bm.bi_linear(x, W, backend="torch"), X, sizes=(2, 17, 270))
+            assert bad == [], name
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -77,12 +188,15 @@ def test_linear_rows_do_not_depend_on_the_call(dtype):
     for N, K in ((131, 64), (640, 384)):
         W = torch.randn(N, K, generator=g).to(dtype)
         b = torch.randn(N, generator=g).to(dtype)
-        X = torch.randn(60, K, generator=g).to(dtype)
-        assert rows_alone_vs_batched(lambda x: bm.bi_linear(x, W, b, backend="torch"), X) == []
+        X = torch.randn(1040, K, generator=g).to(dtype)
+        # up to a prefill of many prompts at once (exspec's pool: 1035-1248 rows in issue 42)
+        assert rows_alone_vs_batched(lambda x: bm.bi_linear(x, W, b, backend="torch"), X,
+                                     sizes=(1, 2, 3, 4, 5, 8, 17, 48, 130, 1030), shifts=(0, 3)) == []
         threads = torch.get_num_threads()
         try:  # the libraries split work by thread count: check two threads too (the CLI's default here)
             torch.set_num_threads(2)
-            assert rows_alone_vs_batched(lambda x: bm.bi_linear(x, W, b, backend="torch"), X, sizes=(1, 3, 48)) == []
+            assert rows_alone_vs_batched(lambda x: bm.bi_linear(x, W, b, backend="torch"), X[:60],
+                                         sizes=(1, 3, 48)) == []
         finally:
             torch.set_num_threads(threads)
         packed = bm.pack_weight(W)  # what the model keeps; the same bits as packing on the fly
@@ -93,9 +207,10 @@ def test_linear_rows_do_not_depend_on_the_call(dtype):
         view = flat[3: 3 + 8 * K].view(2, 4, K)
         assert torch.equal(bm.bi_linear(view, W, b, backend="torch"), bm.bi_linear(view.clone(), W, b, backend="torch"))
         if dtype != torch.bfloat16:  # the ordinary path does depend on M: the mode is needed
-            assert rows_alone_vs_batched(lambda x: F.linear(x, W, b), X), f"{dtype}: F.linear already invariant"
-        y = bm.bi_linear(X, W, b, backend="torch").double()
-        assert torch.allclose(y, F.linear(X.double(), W.double(), b.double()), rtol=2e-2, atol=2e-2 * y.abs().max())
+            assert rows_alone_vs_batched(lambda x: F.linear(x, W, b), X[:60]), f"{dtype}: F.linear already invariant"
+        y = bm.bi_linear(X[:60], W, b, backend="torch").double()
+        assert torch.allclose(y, F.linear(X[:60].double(), W.double(), b.double()), rtol=2e-2,
+                              atol=2e-2 * y.abs().max())
 
 
 def test_cpu_paths_are_the_measured_ones():
@@ -217,6 +332,53 @@ def test_attention_one_kv_head_and_reused_buffers(dtype):
         assert torch.equal(ba.bi_attention(*args, plan=plan, backend="torch"), ba.bi_attention(*args, backend="torch"))
 
 
+POOL_PREFILL = (48, 30, [11] + [3 + (5 * i) % 40 for i in range(47)], [0] * 48, False)  # (B, T, lengths, starts, left)
+
+
+def _pool_prefill_vs_alone(dtype, **kw):
+    """Query 40 of sequence 0 alone (T = 1) and as query 29 of a 48-row ragged prefill-sized call (T = 30)."""
+    alone, _ = _attention_case(dtype, 1, 1, [0], [40], [0], False, **kw)
+    B, T, lengths, starts, left = POOL_PREFILL
+    pool, _ = _attention_case(dtype, B, T, [i % 8 for i in range(B)], lengths, starts, left, **kw)
+    return alone[0, :, 0], pool[0, :, 40 - lengths[0]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_attention_query_keeps_its_bits_in_a_pool_prefill(dtype):
+    """exspec prefills its whole pool at once (48 prompts: 96 matrices per batched matmul, where the other methods'
+    calls have at most 16): a query there has the bits it has alone."""
+    alone, pooled = _pool_prefill_vs_alone(dtype)
+    assert torch.equal(alone, pooled)
+
+
+def test_a_cpu_whose_bmm_changes_rows_with_the_batch_runs_fixed_calls(monkeypatch, fresh_plans):
+    """Where the library's batched matmul gives a (matrix, row) other bits in calls of more matrices (a stand-in:
+    the low bits of every output cleared in calls of over 64 matrices), the probe sees it and the attention's
+    products run as calls of one shape (2 matrices of BLOCK_ROWS rows): the query keeps its bits in a pool prefill."""
+    real = ba._library_bmm
+
+    def by_batch(a, b, out):
+        real(a, b, out)
+        if a.shape[0] > 64:
+            bits = out.view(torch.int64 if out.dtype == torch.float64 else torch.int32)
+            bits &= -16
+        return out
+
+    monkeypatch.setattr(ba, "_library_bmm", by_batch)
+    threads = torch.get_num_threads()
+    assert not ba.bmm_keeps_rows(torch.float32, bm.RowPlan(threads, None), 24, ba.CHUNK, True)  # the probe sees it
+    plan = ba.bmm_plan(torch.float32, threads, 24, ba.CHUNK)
+    assert plan == bm.RowPlan(threads, bm.BLOCK_ROWS)
+    monkeypatch.setattr(ba, "bmm_plan", lambda *args: bm.RowPlan(threads, None))  # as called: the query differs
+    alone, pooled = _pool_prefill_vs_alone(torch.float32)
+    assert not torch.equal(alone, pooled)
+    monkeypatch.setattr(ba, "bmm_plan", lambda *args: plan)
+    alone, pooled = _pool_prefill_vs_alone(torch.float32)
+    assert torch.equal(alone, pooled)
+    _, sdpa = _attention_case(torch.float32, 1, 1, [0], [40], [0], False)
+    assert torch.allclose(alone.double(), sdpa[0, :, 0].double(), atol=1e-5, rtol=1e-5)
+
+
 def test_attention_padding_queries_and_validation():
     """A left-padding query of a prefill sees no key of its row: zeros, never NaN."""
     q = torch.randn(2, 2, 4, 8)
@@ -332,10 +494,11 @@ def test_cli_flag_reaches_the_engine(monkeypatch):
         raise Built
 
     monkeypatch.setattr(specdec, "LLM", fake_llm)
-    for argv, expected in ((["--batch-invariant"], True), ([], False)):
+    for argv, expected in ((["--batch-invariant"], True), ([], "auto"), (["--batch-invariant", "off"], False),
+                           (["--batch-invariant=auto"], "auto")):
         with pytest.raises(Built):
             cli.run(cli.build_parser().parse_args(argv + ["--no-progress"]))
-        assert seen["batch_invariant"] is expected
+        assert seen["batch_invariant"] == expected and type(seen["batch_invariant"]) is type(expected)
 
 
 def test_mode_is_a_model_attribute_and_skips_the_compiled_forward(family_checkpoints):
@@ -376,6 +539,31 @@ def test_greedy_speculative_equals_ar_in_bfloat16(tmp_path):
     assert mismatches[False, "ragged"], "bfloat16 without the mode already equals AR here: the test shows nothing"
     for method in ("eqspec", "ragged", "exspec"):
         assert mismatches[True, method] == [], f"{method}: requests {mismatches[True, method]} differ from AR"
+
+
+def test_exspec_equals_ar_where_the_bfloat16_kernel_switches_at_prefill_sizes(llama_pair, monkeypatch, fresh_plans):
+    """Issue 42 end to end on a simulated CPU whose bfloat16 calls of more than 600 rows take another kernel. Only
+    exspec's pool prefill is that large (12 prompts, the longest 60 tokens: 720 rows; AR's calls have at most 60,
+    eqspec's 8 x 60 = 480): run as called, exspec leaves AR's path on some prompts while eqspec does not (so the
+    test can fail); with the plan the probe picks, exspec equals AR."""
+    target, draft = llama_pair
+    monkeypatch.setattr(bm, "_cpu_linear", kernel_by_rows(lambda M: M > 600))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 131) for _ in range(60 if i == 0 else rng.randint(1, 60))] for i in range(12)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    common = dict(dtype="bfloat16", batch_invariant=True, check_invariants=False)
+    mismatches = {}
+    probed = bm.cpu_plan  # the fixture's: measured with the stand-in
+    for plans in ("as called", "probed"):
+        monkeypatch.setattr(bm, "cpu_plan", probed if plans == "probed" else (
+            lambda dtype, threads, shape: bm.RowPlan(threads, None)))
+        ar = LLM(target, method="ar", batch_size=1, **common).generate(prompt_token_ids=prompts, sampling_params=params)
+        for method in ("eqspec", "exspec") if plans == "as called" else ("exspec",):
+            outs = LLM(target, draft, method=method, num_speculative_tokens=5, batch_size=8, **common).generate(
+                prompt_token_ids=prompts, sampling_params=params)
+            mismatches[plans, method] = [o.index for o, r in zip(outs, ar) if o.token_ids != r.token_ids]
+    assert mismatches["as called", "exspec"] and not mismatches["as called", "eqspec"], mismatches
+    assert mismatches["probed", "exspec"] == []
 
 
 SPEC_BENCH_SLICE = os.path.join(os.path.dirname(__file__), "data", "spec_bench_64.jsonl")
@@ -427,15 +615,15 @@ def test_seeded_sampling_does_not_depend_on_the_batch(checkpoint_pairs):
 def test_bi_matmul_triton_matches_reference_and_rows_keep_their_bits(dtype):
     g = torch.Generator().manual_seed(1)
     W, b, X = (t.to(KERNEL_DEVICE, dtype) for t in (torch.randn(70, 40, generator=g), torch.randn(70, generator=g),
-                                                    torch.randn(75, 40, generator=g)))
+                                                    torch.randn(140, 40, generator=g)))
     y = bm.bi_linear(X, W, b, backend="triton")
     ref = F.linear(X.double(), W.double(), b.double())
     rtol, atol = (1e-2, 0.1) if dtype == torch.bfloat16 else (1e-5, 1e-4)
     assert torch.allclose(y.double(), ref, rtol=rtol, atol=atol)
     assert torch.allclose(bm.bi_linear(X, W, backend="triton").double(), ref - b.double(), rtol=1e-2, atol=0.1)
-    # the interpreter's tl.dot is numpy's matmul, whose result depends on the row's place inside a tile
-    # (a GPU's MMA does not): here rows keep their bits when M, the other rows and the tile index change
-    BLOCK_M = bm.TILES.get(dtype, bm.DEFAULT_TILES)[0]
+    # rows keep their bits when M, the other rows and the tile index change (tests/test_bi_kernels.py checks
+    # rows at every place in their tile, alone and in batches of 3, 8 and 48)
+    BLOCK_M = bm.matmul_config(70, 40, dtype, KERNEL_DEVICE).block_m
     for M, shift in ((1, 0), (3, BLOCK_M), (40, 0), (5, 2 * BLOCK_M)):
         other = X.clone()
         other[shift + M:] = torch.randn(len(X) - shift - M, 40, generator=g).to(KERNEL_DEVICE, dtype)
@@ -476,6 +664,8 @@ def test_kernels_compile_for_sm90():
 
 
 def _compile_all_for_sm90():
+    from unittest import mock
+
     from test_kernels import _compile_recorded
 
     x, w, b = torch.zeros(5, 40), torch.zeros(24, 40), torch.zeros(24)
@@ -487,9 +677,13 @@ def _compile_all_for_sm90():
             assert "mma" in ptx[0] or dtype == torch.float32  # tensor cores for bf16/fp64; fp32 stays IEEE (FMA)
         q, kc = torch.zeros(2, 6, 3, 24, dtype=dtype), torch.zeros(2, 2, 40, 24, dtype=dtype)
         mask, first = torch.zeros(2, 3, 33, dtype=torch.bool), torch.zeros(2, dtype=torch.int64)
-        with contextlib.ExitStack() as patches:
-            _compile_recorded(patches, ba, "_bi_attention_kernel",
-                              lambda: ba.bi_attention_triton(q, kc, kc.clone(), mask, first))
+        for name, other in (("_bi_attention_split_kernel", "_bi_attention_combine_kernel"),
+                            ("_bi_attention_combine_kernel", "_bi_attention_split_kernel")):
+            with contextlib.ExitStack() as patches:  # the other kernel of the launcher is not run (no GPU)
+                patches.enter_context(mock.patch.object(ba, other, type("Null", (), {
+                    "__getitem__": lambda self, grid: lambda *a, **kw: None})()))
+                _compile_recorded(patches, ba, name, lambda: ba.bi_attention_triton(q, kc, kc.clone(), mask, first,
+                                                                                     chunk=16, split=16))
     print("compiled bi_matmul and bi_attention for sm_90")
 
 

@@ -39,6 +39,7 @@ def test_no_arguments_runs_the_default_pair():
     assert "| ar |" in out and "| eqspec |" in out
     assert "Check against AR decoding:" in out
     assert "--- request 0" in out
+    assert "(the embedded pair is a toy: " in out  # issue 44: its repetitive samples are explained
 
 
 def test_jsonl_prompts_output_and_compare_ar(pair):
@@ -270,3 +271,83 @@ def test_check_weights_flag(pair, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1
     assert f"{file}: weight 'model.layers.0.mlp.up_proj.weight' has 1 non-finite value(s)" in err
+
+
+# --------------------------------------------------------------------------- issue 44: a newcomer's first hour
+
+
+def test_a_lookups_printed_speed_up_comes_from_prompts_it_has_not_seen_answered(pair, tmp_path, capsys):
+    """--compare-ar with --draft suffix: the warm-up and the batch-B run answer the very prompts the batch-1 run
+    then decodes, and the suffix store keeps those answers. Each timed run must draft as a fresh LLM would on
+    the same prompts (fixed k, float64: its drafts, and so its counts, are a function of what it has seen)."""
+    from specdec import LLM, SamplingParams
+    from specdec.run import main
+
+    target, _, _ = pair
+    prompts = [" ".join(f"w{(i * 11 + j * j) % 128}" for j in range(3 + i)) for i in range(6)]
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(prompts) + "\n")
+    metrics = tmp_path / "m.json"
+    settings = dict(method="ragged", num_speculative_tokens=3, dtype="float64")
+    assert main(["--target", target, "--draft", "suffix", "--prompts", str(path), "--method", "ragged", "-k", "3",
+                 "--batch-size", "4", "--max-tokens", "24", "--dtype", "float64", "--compare-ar", "--metrics",
+                 str(metrics), "--no-progress", "--samples", "0"]) == 0
+    assert "Check against AR decoding: 6/6 exact-match" in capsys.readouterr().out
+    ar1, spec1, ar4, spec4 = json.loads(metrics.read_text())
+    assert (spec1["batch_size"], spec4["batch_size"]) == (1, 4) and spec1["num_requests"] == 6
+    for row, batch in ((spec4, 4), (spec1, 1)):
+        fresh = LLM(target, draft="suffix", batch_size=batch, **settings)
+        m = fresh.generate(prompt_token_ids=fresh.encode(prompts),
+                           sampling_params=SamplingParams(max_tokens=24)).metrics
+        assert m.proposed_drafts > 0 and m.accepted_drafts > 0  # the test has drafts to count
+        assert (row["proposed_drafts"], row["accepted_drafts"], row["steps"]) == \
+            (m.proposed_drafts, m.accepted_drafts, m.steps), f"batch {batch}: drafted from answers it had seen"
+
+
+@pytest.mark.parametrize("store", ["16384", "0"])
+def test_prompts_that_repeat_are_said_to_draft_from_this_runs_answers(pair, capsys, store):
+    """A prompt given twice is drafted from its first answer by the suffix store within the run (what a server
+    would do): the summary says so, unless the store is off."""
+    from specdec.run import main
+
+    target, _, _ = pair
+    assert main(["--target", target, "--draft", "suffix", "--suffix-store-tokens", store, "--prompt", "w1 w2",
+                 "--prompt", "w3", "--prompt", "w1 w2", "--max-tokens", "4", "--no-compare-ar", "--no-progress",
+                 "--samples", "0"]) == 0
+    note = "(1 of the prompts repeats an earlier one: suffix drafts from the answers this run already gave"
+    assert (note in capsys.readouterr().out) == (store != "0")
+
+
+def test_one_prompt_is_decoded_at_batch_1_and_the_summary_counts_what_it_timed(pair, tmp_path, capsys, monkeypatch):
+    """One request with the default --batch-size 8: the table says batch 1 (no second pair of rows repeating
+    it) and the summary line "1 request"; auto k's calibration, which the progress bar sees, is named beside
+    the decoding time; the realign share is a column only with --profile."""
+    from specdec.run import main
+
+    target, draft, _ = pair
+    assert main(["--target", target, "--draft", draft, "--prompt", "w1 w2", "--max-tokens", "6", "--compare-ar",
+                 "--no-progress", "--samples", "0"]) == 0
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("| ") and "method" not in line]
+    assert [line.split(" | ")[:2] for line in table] == [["| ar", "1"], ["| eqspec", "1"]], out
+    assert "realign share" not in out and "batch-1 rows" not in out and "\n1 request, 6 tokens in " in out
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no cached costs: the timed run calibrates
+    metrics = tmp_path / "m.json"
+    assert main(["--target", target, "--draft", draft, "--prompt", "w1 w2", "--prompt", "w3", "--max-tokens", "4",
+                 "--profile", "--no-compare-ar", "--no-progress", "--samples", "0", "--metrics", str(metrics)]) == 0
+    out = capsys.readouterr().out
+    [m] = json.loads(metrics.read_text())
+    assert m["calibration_s"] >= 0.01 and "| realign share |" in out
+    assert (f"\n2 requests, {m['generated_tokens']} tokens in {m['wall_time_s']:.2f} s "
+            f"(+ {m['calibration_s']:.2f} s measuring forward costs for auto k, once);") in out, out
+
+
+def test_the_embedded_pair_says_it_is_a_toy_and_a_real_target_does_not(pair, capsys):
+    from specdec.run import TOY_PAIR, main
+
+    assert main(["--prompt", "def f(x):", "--max-tokens", "2", "--no-compare-ar", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.index(TOY_PAIR) < out.index("--- request 0")  # said before its samples
+    target, draft, _ = pair
+    assert main(["--target", target, "--draft", draft, "--prompt", "w1", "--max-tokens", "2", "--no-progress"]) == 0
+    assert "toy" not in capsys.readouterr().out

@@ -99,3 +99,30 @@ def test_model_object_keeps_its_packing():
     assert model.packed_linear is True
     LLM(model, method="ar")
     assert model.packed_linear is True
+
+
+@pytest.mark.parametrize("program, argv, words", [
+    ("specdec.run", ["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+    ("specdec.run", ["--num-speculative-tokens", "-3"],
+     "argument -k/--num-speculative-tokens: must be 'auto' or an integer >= 1, got '-3'"),
+    ("specdec.run", ["--method", "fast"],
+     "argument --method: invalid choice: 'fast' (choose from 'ar', 'eqspec', 'exspec', 'ragged')"),
+    ("specdec.serve", ["--port", "99999"], "argument --port: must be a TCP port, 0 to 65535, got 99999"),
+    ("specdec.serve", ["-k", "0"], "argument -k/--num-speculative-tokens: must be 'auto' or an integer >= 1, got '0'"),
+    ("specdec.train", ["feature", "--target", "x.gguf"], "the following arguments are required: --out"),
+    ("specdec.convert", [], "the following arguments are required: gguf, out_dir"),
+])
+def test_a_refused_flag_is_one_line_without_the_usage_block(program, argv, words):
+    """Issue 44: argparse prints 26 lines of usage before its error; every CLI says the one line, naming the flag."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", program, *argv], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == f"python -m {program}: error: {words} (`python -m {program} --help` lists the flags)\n"
+
+
+def test_k_help_says_what_k_takes():
+    """-k's help: auto chooses from 0 up (0: a step without the draft); a fixed k is >= 1 (0 is refused)."""
+    text = " ".join(run.build_parser().format_help().split())
+    assert "a fixed integer >= 1" in text and "(0 = a step without the draft)" not in text

@@ -680,9 +680,13 @@ def test_backend_errors(monkeypatch):
 # ----------------------------------------------------------------------------------------- GPU compile
 
 
-def _compile_recorded(patches, mod, kernel_name, launch):
+def _compile_recorded(patches, mod, kernel_name, launch, specialize: bool = False, metadata: list | None = None):
     """Run a launcher with the kernel replaced by a recorder, then compile each recorded launch for sm_90
-    (no GPU needed): catches what the interpreter forgives (loop-carried/branch type changes, ...)."""
+    (no GPU needed): catches what the interpreter forgives (loop-carried/branch type changes, ...).
+    `specialize`: as triton's launcher does on a GPU, integer arguments equal to 1 become constants and
+    integers and pointers divisible by 16 are marked so (what lets the compiler vectorise and pipeline loads:
+    without it a stride is unknown and no load is pipelined). `metadata`: a list to append each compiled
+    kernel's metadata (shared memory, ...) to."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -702,15 +706,27 @@ def _compile_recorded(patches, mod, kernel_name, launch):
     compiled = []
     for args, kwargs in calls:
         args = list(args)
-        signature, constexprs = {}, {}
+        signature, constexprs, attrs = {}, {}, {}
         for i, p in enumerate(kernel.params):
             if p.is_constexpr:
                 signature[p.name] = "constexpr"
                 constexprs[(i,)] = kwargs[p.name]
-            else:
-                signature[p.name] = mangle_type(args.pop(0))
-        compiled.append(triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)))
+                continue
+            arg = args.pop(0)
+            if specialize and isinstance(arg, int) and not isinstance(arg, bool) and arg == 1:
+                signature[p.name] = "constexpr"
+                constexprs[(i,)] = 1
+                continue
+            signature[p.name] = mangle_type(arg)
+            if specialize and ((isinstance(arg, int) and not isinstance(arg, bool) and arg % 16 == 0)
+                               or (isinstance(arg, torch.Tensor) and arg.data_ptr() % 16 == 0)):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        options = {name: kwargs[name] for name in ("num_warps", "num_stages") if name in kwargs}  # as launched
+        compiled.append(triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                                       target=GPUTarget("cuda", 90, 32), options=options))
     assert compiled
+    if metadata is not None:
+        metadata.extend(c.metadata for c in compiled)
     return [c.asm["ptx"] for c in compiled]
 
 

@@ -279,3 +279,24 @@ def test_quantized_layers_match_dequantized_float_layers():
     x = torch.randn(4, 64)
     deq = head.dequantize()
     assert ((head(x) - F.linear(x, deq)).abs() <= bf16_tolerance(x, deq)).all()
+
+
+@pytest.mark.parametrize("source,fmt", [("safetensors", "int8"), ("safetensors", "int4"), ("Q4_1", "int4"),
+                                        ("Q4_1", "int8"), ("F16", "int4")])
+def test_a_quantized_target_is_recognised_by_the_weights_it_was_loaded_from(tmp_path, source, fmt):
+    """Issue 44: `--quantize` must not change which shipped draft a target gets. The quantized numbers differ
+    from the file's (the embedding re-quantized int8, Q4 scales rounded to bfloat16, floats quantized), so the
+    fingerprint is of the file's weights, sampled as the loader reads them."""
+    from specdec.models.feature_draft import fingerprint
+
+    if source == "safetensors":
+        path = make_pair("llama", tmp_path)[0]
+    else:
+        hf = build_hf_model("llama", seed=1, hidden_size=64, intermediate_size=96)
+        path = tmp_path / f"llama-{source}.gguf"
+        write_gguf(path, hf.config, hf.state_dict(), qtype=gguf.GGMLQuantizationType[source])
+    floats, quantized = load_model(path), load_model(path, quantize=fmt)
+    assert quantized.quantize == fmt
+    assert fingerprint(quantized) == fingerprint(floats)
+    del quantized.fingerprint_samples  # what the quantized numbers alone give: another model (the bug)
+    assert fingerprint(quantized) != fingerprint(floats)

@@ -209,6 +209,19 @@ def test_llm_uses_the_shipped_draft_unasked(gguf_path, capsys):
     assert shipped_draft(other) is None
 
 
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+def test_a_quantized_target_gets_the_shipped_draft_too(gguf_path, chat_prompts, capsys, quantize):
+    """Issue 44: `--quantize int4` used to fall back to suffix decoding, the quantized numbers' fingerprint being
+    another model's; the draft it gets is exact against the quantized target's own AR."""
+    llm = LLM(gguf_path, quantize=quantize, method="ragged", num_speculative_tokens=2, batch_size=1)
+    assert type(llm.draft).__name__ == "FeatureDraft" and llm.target.quantize == quantize
+    assert "using the draft shipped for this target (smollm2-135m-instruct" in capsys.readouterr().err
+    params = SamplingParams(max_tokens=16)
+    ar = LLM(llm.target, method="ar", tokenizer=llm.tokenizer, batch_size=1)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=chat_prompts[:2], sampling_params=params)] == \
+        [o.token_ids for o in ar.generate(prompt_token_ids=chat_prompts[:2], sampling_params=params)]
+
+
 def test_chat_answer_reads_well(ours32, tok, chat_prompts):
     out = LLM(ours32, tokenizer=tok, method="ar", batch_size=1).generate(
         prompt_token_ids=chat_prompts[:1], sampling_params=SamplingParams(max_tokens=GREEDY_NEW))[0]

@@ -303,3 +303,110 @@ def test_the_worker_counts_every_choice_as_a_waiting_request():
     with pytest.raises(ApiError) as e:
         EngineWorker(engine, max_waiting=4).add([1, 2], SamplingParams(n=5), "cmpl")
     assert (e.value.status, e.value.param) == (400, "n")
+
+
+# --------------------------------------------------------------------------- issue 44: a newcomer's first hour
+
+
+class RefusingWorker(ScriptedWorker):
+    """Refuses every prompt as EngineWorker does when the engine's check fails (an ApiError 400 without param)."""
+
+    def add(self, prompt_ids, params, prefix):
+        from specdec.options import positions_needed
+        from specdec.serve.protocol import ApiError
+
+        need = positions_needed(len(prompt_ids), params.max_tokens, 4)
+        raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; with max_tokens={params.max_tokens} and k=4 "
+                       f"it needs {need} positions but the model context is {MAX_CONTEXT}" if need > MAX_CONTEXT
+                       else "the prompt has token ids outside the vocabulary [0, 100)")
+
+
+@pytest.mark.parametrize("path, body, param, code", [
+    ("/v1/completions", {"prompt": "hello", "max_tokens": 60}, "prompt", "context_length_exceeded"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 60}, "messages",
+     "context_length_exceeded"),
+    ("/v1/completions", {"prompt": [5, 700], "max_tokens": 2}, "prompt", None),
+])
+def test_a_prompt_the_engine_refuses_names_its_param(path, body, param, code, monkeypatch):
+    """A prompt too long for the context is OpenAI's `context_length_exceeded` on `prompt` / `messages`, not
+    `param: null`; ids outside the vocabulary name `prompt`."""
+    import specdec.serve.routes as routes_module
+
+    monkeypatch.setattr(routes_module, "chat_prompt_ids", lambda tokenizer, messages: [1, 2, 3])
+    response = TestClient(app_serving(routes_over(RefusingWorker("")))).post(path, json={"model": MODEL, **body})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error"), error
+
+
+@pytest.mark.parametrize("content", ["", [], [{"type": "text", "text": ""}]])
+def test_a_chat_request_with_no_text_is_a_400_like_an_empty_prompt(content):
+    worker = ScriptedWorker("never")
+    response = TestClient(app_serving(routes_over(worker))).post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "system", "content": ""}, {"role": "user", "content": content}]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "every message's content is empty" in error["message"]
+    assert worker.added == []
+
+
+def serve_main(argv, monkeypatch, capsys):
+    """`python -m specdec.serve ARGV` in process, with the model load replaced by a failure: what it refuses,
+    it refuses before loading."""
+    import specdec.serve.__main__ as serve
+
+    def no_load(args):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(serve, "build_llm", no_load)
+    try:
+        code = serve.main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_a_port_out_of_range_is_one_line_before_loading(port, monkeypatch, capsys):
+    code, err = serve_main(["--port", port], monkeypatch, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "argument --port" in err, err
+
+
+def test_a_port_in_use_is_one_line_before_loading(monkeypatch, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = serve_main(["--port", str(port)], monkeypatch, capsys)
+    assert code == 2 and err == f"specdec.serve: error: --port {port}: cannot listen on 127.0.0.1:{port} " \
+                                "(Address already in use)\n"
+
+
+def test_port_0_binds_a_free_port_where_nobody_waits_while_the_model_loads():
+    import socket
+
+    from specdec.serve.server import bind
+
+    (sock,) = bind("127.0.0.1", 0)
+    try:
+        port = sock.getsockname()[1]
+        assert port > 0
+        with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # bound, not listening: a client is refused rather than left hanging in a backlog
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("argv, name", [
+    ([], "default"),
+    (["--target", "models/../.cache/real_model/SmolLM2-135M-Instruct.Q4_1.gguf"], "SmolLM2-135M-Instruct.Q4_1"),
+    (["--target", "/ckpt/my-llama/"], "my-llama"),
+    (["--target", "/ckpt/my-llama", "--served-model-name", "mine"], "mine"),
+])
+def test_the_served_name_is_the_models_not_the_path_as_typed(argv, name):
+    import specdec.serve.__main__ as serve
+
+    args = serve.build_parser().parse_args(argv)
+    assert serve.served_name(args, default_pair=not argv) == name

@@ -164,7 +164,24 @@ def test_bad_inputs_get_one_clear_line(target, tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(argv)
         err = capsys.readouterr().err.strip().splitlines()
-        assert err and __import__("re").search(words, err[-1]), (words, err)
+        assert len(err) == 1 and __import__("re").search(words, err[0]), (words, err)  # no usage block (issue 44)
+
+
+@pytest.mark.parametrize("kind, other", [("feature", "small"), ("small", "feature")])
+def test_a_kinds_help_lists_its_flags_and_the_shared_ones_only(kind, other, capsys):
+    """`python -m specdec.train feature --help` is about feature drafts: small's flags are not listed (and still
+    refused by name when given to feature, above)."""
+    from specdec.train.__main__ import build_parser, kind_only_flags
+
+    with pytest.raises(SystemExit):
+        main([kind, "--help"])
+    text = capsys.readouterr().out
+    options = {line.split()[0].rstrip(",") for line in text.splitlines() if line.startswith("  -")}
+    listed = lambda dest: f"--{dest.replace('_', '-')}" in options  # noqa: E731  (a line of the flag's own)
+    owned = kind_only_flags(build_parser())
+    assert all(listed(dest) for dest in owned[kind] if dest != "k") and f"{kind} only" in text
+    assert not any(listed(dest) for dest in owned[other] if dest != "k") and f"{other} only" not in text
+    assert {"--target", "--minutes", "--out"} <= options
 
 
 def test_the_plot_is_skipped_with_a_line_without_matplotlib(tmp_path, monkeypatch):
@@ -206,3 +223,32 @@ def test_the_legacy_command_of_the_shipped_pair_reads_as_a_specdec_train_command
     assert current_command(today) == today
     with pytest.raises(ValueError, match="no automatic translation"):
         current_command("python -m bench.default_pair --reuse-target t")
+
+
+@pytest.mark.parametrize("absent, words", [
+    (("transformers",), "transformers is not installed"),
+    (("google.protobuf",), "protobuf is not installed"),
+    (("transformers", "google"), "transformers and protobuf are not installed"),
+])
+def test_small_without_its_packages_is_one_line_before_any_work(tmp_path, monkeypatch, capsys, absent, words):
+    """Issue 44's walk: a fresh `pip install -e .` has neither, and `small` failed with a traceback: at once
+    without transformers, after 21 minutes of pool and training without protobuf (saving the draft)."""
+    import importlib.util
+
+    from specdec.prompts import DEFAULT_TARGET
+
+    real = importlib.util.find_spec
+
+    def find_spec(name, *more):
+        if name in absent:
+            return None
+        if name.split(".")[0] in absent:
+            raise ModuleNotFoundError(name.split(".")[0])
+        return real(name, *more)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(SystemExit):
+        main(["small", "--target", DEFAULT_TARGET, "--out", str(tmp_path / "d")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{words}: pip install -e '.[train]'" in err[0], err
+    assert not (tmp_path / "d").exists()

@@ -207,6 +207,14 @@ def test_whole_run_on_a_tiny_corpus(tmp_path):
     assert second["train_target"] == results["train_target"] and second["spec"]["heldout"]["matches_greedy"] == 3
     doc2 = (out / "draft.md").read_text()
     assert results["command"] in doc2 and second["command"] in doc2 and "--draft-init target" in doc2
+    # issue 44's walk: docs/train.md's `small --target DIR --out DIR` names no record of the target's run; it
+    # trained its draft for 20 minutes, then failed writing its results
+    alone = [a for a in draft_only if a not in ("--target-results", str(out / "results.json"), "--doc",
+                                                  str(out / "draft.md"))]
+    assert main(alone) == 0
+    third = json.loads((out / "draft.json").read_text())
+    assert [run["kind"] for run in third["runs"]] == ["draft-only"] and third["target_args"] is None
+    assert third["spec"]["heldout"]["matches_greedy"] == 3
     (t_dir / "model.safetensors").write_bytes(b"other weights")
     with pytest.raises(SystemExit, match="no run there saved"):
         main(draft_only)

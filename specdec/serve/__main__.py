@@ -8,24 +8,25 @@ default_to_passive_waits()  # before anything imports torch
 
 import argparse
 import logging
+import os
 import sys
 
-from specdec.flags import add_engine_arguments, build_llm, checkpoint_pair, positive_int
+from specdec.flags import Parser, add_engine_arguments, build_llm, checkpoint_pair, port_number, positive_int
 
 DEFAULT_MODEL_NAME = "default"  # the embedded pair's name, when --served-model-name is not given
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m specdec.serve",
         description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health, "
                     "/metrics) streaming speculative decoding. Without --target/--draft it serves the embedded "
                     "default pair.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    p.add_argument("--served-model-name", help="the model name clients send and /v1/models lists (default: "
-                   f"--target as given, or {DEFAULT_MODEL_NAME!r} for the embedded pair)")
+    p.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on (0: any free one)")
+    p.add_argument("--served-model-name", help="the model name clients send and /v1/models lists (default: the "
+                   f"--target file or directory name without .gguf, or {DEFAULT_MODEL_NAME!r} for the embedded pair)")
     p.add_argument("--max-waiting", type=positive_int, default=64, help="requests that may wait for a batch row "
                    "(beyond --batch-size running ones); more are refused with 429 and Retry-After")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for /v1/chat/completions, "
@@ -57,19 +58,30 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     try:
+        from .server import bind, limit_malloc_arenas, run  # uvicorn, no torch yet
+    except ImportError as e:
+        print(f"specdec.serve: error: {e.name} is missing: pip install -e '.[serve]'", file=sys.stderr)
+        return 2
+    sockets = []
+    try:  # what can be checked is checked before the imports and the load take their seconds to minutes
+        _, _, default_pair = checkpoint_pair(args)
+        if args.chat_template:
+            read_chat_template(args.chat_template)
+        sockets = bind(args.host, args.port)  # a port in use too (bound, not listening: nobody waits on it)
+    except (ValueError, OSError) as e:
+        print(f"specdec.serve: error: {e}", file=sys.stderr)
+        return 2
+    try:
         from specdec import SamplingParams
 
         from .app import build_app
-        from .server import limit_malloc_arenas, run
         from .worker import warm_up
     except ImportError as e:
+        close(sockets)
         print(f"specdec.serve: error: {e.name} is missing: pip install -e '.[serve]'", file=sys.stderr)
         return 2
     limit_malloc_arenas()
     try:
-        _, _, default_pair = checkpoint_pair(args)
-        if args.chat_template:
-            read_chat_template(args.chat_template)  # a bad path fails before minutes of loading
         llm = build_llm(args)
         if llm.tokenizer is None:
             raise ValueError("--target has no tokenizer (tokenizer.model or tokenizer.json); the server needs one")
@@ -80,15 +92,32 @@ def main(argv=None) -> int:
         warm_up(engine, llm.tokenizer.encode("def main():"), SamplingParams(max_tokens=4, temperature=0.0),
                 llm.batch_size)
     except (ValueError, OSError) as e:
+        close(sockets)
         print(f"specdec.serve: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        close(sockets)
         print("specdec.serve: interrupted while loading", file=sys.stderr)
         return 130
-    name = args.served_model_name or (DEFAULT_MODEL_NAME if default_pair else args.target)
-    started = run(build_app(llm, engine, name, args.max_waiting), args.host, args.port, args.log_level,
+    name = served_name(args, default_pair)
+    started = run(build_app(llm, engine, name, args.max_waiting), sockets, name, args.log_level,
                   not args.no_access_log, args.shutdown_timeout)
     return 0 if started else 1
+
+
+def served_name(args, default_pair: bool) -> str:
+    """--served-model-name, or the target's file or directory name without `.gguf` (not the path as typed,
+    which clients would have to repeat letter for letter), or "default" for the embedded pair."""
+    if args.served_model_name:
+        return args.served_model_name
+    if default_pair:
+        return DEFAULT_MODEL_NAME
+    return os.path.basename(os.path.normpath(args.target)).removesuffix(".gguf")
+
+
+def close(sockets) -> None:
+    for sock in sockets:
+        sock.close()
 
 
 if __name__ == "__main__":

@@ -205,6 +205,13 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return self
 
+    @model_validator(mode="after")
+    def _some_text(self):
+        if not any(m.as_template_message()["content"] for m in self.messages):  # as an empty completions prompt
+            raise ApiError(400, "messages must not be empty: every message's content is empty; send some text",
+                           param="messages")
+        return self
+
     @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

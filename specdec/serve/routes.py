@@ -158,7 +158,14 @@ class Routes:
     def start(self, body, prompt_ids: list[int], params: SamplingParams, prefix: str) -> list[Generation]:
         """Add the request to the engine: one Generation per choice (`params.n`), in choice order."""
         arrival = time.perf_counter()
-        request_id, queues = self.worker.add(prompt_ids, params, prefix)
+        try:
+            request_id, queues = self.worker.add(prompt_ids, params, prefix)
+        except ApiError as e:
+            if e.status == 400 and e.param is None:  # the engine refused the prompt: empty, ids outside the
+                e.param = "messages" if prefix == "chatcmpl" else "prompt"  # vocabulary, or beyond the context
+                if positions_needed(len(prompt_ids), params.max_tokens, self.k_max) > self.max_context:
+                    e.code = "context_length_exceeded"  # OpenAI's code
+            raise
         self.metrics.prompt_tokens.inc(len(prompt_ids) * len(queues))  # n choices: n requests, n prefills
         return [Generation(self.worker, self.metrics, self.tokenizer.decode, request_id, queue, prompt_ids,
                            body.stops, arrival, choice) for choice, queue in enumerate(queues)]

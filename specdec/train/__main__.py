@@ -11,6 +11,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from specdec.flags import Parser
+
 KINDS = {
     "small": "a small Llama model distilled from the target's greedy continuations (the default pair's recipe; "
              "the target: a Llama checkpoint directory with a SentencePiece tokenizer.model)",
@@ -51,8 +53,10 @@ def non_negative_int(text):
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser(kind: str | None = None) -> argparse.ArgumentParser:
+    """The parser; given the `kind` on the command line, its --help lists that kind's flags and the shared ones
+    (the other kind's are still parsed, to be refused by name: `check_args`)."""
+    p = Parser(
         prog="python -m specdec.train", formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
         description="Train a draft model for a target; the result is a directory that `python -m specdec.run "
                     "--draft DIR` and specdec.LLM(target, DIR) accept. Kinds:\n\n" +
@@ -70,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--device", help="cpu, cuda or cuda:N (default: cuda when a GPU is present, else cpu); on a GPU the "
                          "training forwards run under bfloat16 autocast")
     add("--minutes", type=positive(float), help="training time budget; the step count is fitted to it "
-                                                "(default: small 12, feature 30)")
+                                                "(default: small 12, feature 30). Making the data comes before "
+                                                "it, the evaluation after")
     add("--steps", type=positive(int), help="fixed training step count (overrides --minutes: a deterministic run)")
     add("--seed", type=int, default=0, help="base seed (data order, initialisation, noise)")
     add("--batch", type=positive(int), help="sequences per training step (default: small 16, feature 8)")
@@ -162,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("-k", type=positive(int), default=5, help="draft tokens per speculative step (evaluation)")
     add("--new-tokens", type=positive(int), default=64, help="new tokens per evaluation prompt")
     add("--specbench-count", type=positive(int), default=48, help="SpecBench prompts used")
+    if kind in KINDS:
+        for group in p._action_groups:
+            if group.title.startswith(tuple(f"{other} only" for other in KINDS if other != kind)):
+                for action in group._group_actions:
+                    action.help = argparse.SUPPRESS
     return p
 
 
@@ -236,7 +246,22 @@ def check_args(parser, args, argv) -> None:
         check_small(parser, args)
 
 
+def importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
 def check_small(parser, args) -> None:
+    absent = [name for name, module in (("transformers", "transformers"), ("protobuf", "google.protobuf"))
+              if not importable(module)]
+    if absent:  # else the run fails when it saves the draft, after its pool and its training
+        parser.error(f"small builds and saves its Llama models with transformers and protobuf; "
+                     f"{' and '.join(absent)} {'is' if len(absent) == 1 else 'are'} not installed: "
+                     "pip install -e '.[train]'")
     if not args.stdlib.is_dir() and not args.data:
         parser.error(f"--stdlib {args.stdlib}: not a directory")
     if not 1 <= args.pool_prefix_min <= args.pool_prefix_max or args.pool_prefix_max + args.pool_new_tokens > args.ctx:
@@ -262,7 +287,7 @@ def check_small(parser, args) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
+    parser = build_parser(next((arg for arg in argv if arg in KINDS), None))
     args = parser.parse_args(argv)
     check_args(parser, args, argv)
     import torch

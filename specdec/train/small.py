@@ -196,8 +196,8 @@ def run(args, argv=None) -> dict:
         "args": {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if isinstance(v, list) else v)
                  for k, v in vars(args).items()},
         "command": command,
-        "runs": (target_runs(record) if reuse else []) + [this_run],
-        "target_args": record["args"] if reuse else None,
+        "runs": (target_runs(record) if record else []) + [this_run],  # no record: a target from elsewhere
+        "target_args": record["args"] if record else None,
         "env": {**environment(), "transformers": transformers.__version__, "sentencepiece": spm.__version__},
         "data": {"stdlib": str(corpus.root), "n_files": len(corpus.files), "n_train": len(corpus.train_texts),
                  "n_held": len(corpus.held_texts), "total_chars": corpus.total_chars,

@@ -1,0 +1,81 @@
+"""The CUDA-graph step (models/graphs.py) computed without capture on the CPU: the static-buffer path a graph
+replays -- the bucket's padded rows, the plan computed on the device from start/length over the cache's full
+capacity -- gives AR's tokens for every method that runs plain steps, and the runner falls back to eager
+exactly where a graph cannot serve. (The capture itself needs a GPU: bench/gpu_check.sh.)"""
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.models import load_model
+from specdec.models.graphs import GraphRunner
+
+PROMPTS = [[5, 6, 7], [8], [9, 10, 11, 12, 13, 14], [20, 21], [30, 31, 32, 33]]
+
+
+@pytest.fixture(scope="module")
+def models(llama_pair):
+    target, draft = llama_pair
+    return load_model(target, dtype="float64"), load_model(draft, dtype="float64")
+
+
+def generate(target, draft, method, **kw):
+    llm = LLM(target, draft if method != "ar" else None, method=method, num_speculative_tokens=3,
+              batch_size=kw.pop("batch_size", 4), dtype="float64", **kw)
+    return [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS,
+                                              sampling_params=SamplingParams(max_tokens=12, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("method", ["ar", "ragged", "eqspec", "exspec"])
+def test_the_graph_step_gives_ar_s_tokens(models, method, monkeypatch):
+    target, draft = models
+    expected = generate(target, draft, "ar", batch_size=1)
+    runs = []
+    real = GraphRunner.run
+    monkeypatch.setattr(GraphRunner, "run", lambda self, *a: runs.append(out := real(self, *a)) or out)
+    for model in models:
+        model.use_graphs(capture=False)
+    try:
+        assert generate(target, draft, method) == expected
+    finally:
+        for model in models:
+            model.use_graphs(False)
+    served = [r for r in runs if r is not None]
+    if method == "exspec":  # its steps run on views of a batch buffer whose width follows the group: eager
+        assert runs and not served
+    else:
+        assert served and len(served) < len(runs)  # steps through the graph path; prefills eager
+
+
+def test_the_runner_buckets_rows_and_steps_aside(models):
+    target, _ = models
+    runner = GraphRunner(target, capture=False)
+    assert [runner.bucket(b) for b in (1, 2, 3, 5, 9, 32, 33)] == [1, 2, 4, 8, 16, 32, None]
+    cache = target.new_cache(3, 16)
+    ids = torch.tensor([[5, 6], [7, 8], [9, 10]])
+    assert runner.run(ids, cache, "all", None, [2, 1, 2], None) is None  # a padded prefill: eager
+    assert runner.run(ids, cache, "all", "all", None, None) is None  # hidden states asked for: eager
+    assert runner.run(ids, cache, "all", None, None, None) is None  # 3 rows need the 4-row bucket: 3 slots only
+    cache.reserve_rows(4)
+    eager_cache = target.new_cache(3, 16)
+    out = runner.run(ids, cache, "all", None, None, None)  # [3, 2, V]
+    want = target.forward(ids, eager_cache)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    assert cache.host_length == [2, 2, 2] and torch.equal(cache.length, torch.tensor([2, 2, 2]))
+    torch.testing.assert_close(cache.k[:, :3, :, :2], eager_cache.k[:, :, :, :2], rtol=0, atol=1e-12)
+    four = target.new_cache(4, 16)  # four rows, then three in the same storage: the padded row starts over
+    runner.run(torch.tensor([[5], [6], [7], [8]]), four, "all", None, None, None)
+    four.take_rows([0, 1, 2])
+    runner.run(torch.tensor([[5], [6], [7]]), four, "all", None, None, None)
+    key = next(k for k in runner.steps if k[:2] == (4, 1) and k[3] == four._kv_all.data_ptr())
+    assert runner.steps[key].length.tolist() == [1, 1, 1, 0]
+
+
+def test_cuda_graphs_option(llama_pair):
+    target, draft = llama_pair
+    llm = LLM(target, draft, method="ragged", dtype="float64")  # the CPU: no graphs by default
+    assert llm.target.graph_runner is None and llm.draft.graph_runner is None
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
+        LLM(target, draft, method="ragged", dtype="float64", cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs must be"):
+        LLM(target, method="ar", dtype="float64", cuda_graphs="yes")
+    assert LLM(target, method="ar", dtype="float64", cuda_graphs=False).target.graph_runner is None
