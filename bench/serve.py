@@ -48,8 +48,8 @@ def specdec_command(port: int, *flags: str) -> list[str]:
 
 
 def launch(command: list[str], port: int, log_path: str, env: dict | None = None,
-           timeout_s: float = 300.0) -> subprocess.Popen:
-    """Start a server (output to `log_path`) and wait, at most `timeout_s`, until GET /health answers 200.
+           timeout_s: float = 300.0, health: str = "/health") -> subprocess.Popen:
+    """Start a server (output to `log_path`) and wait, at most `timeout_s`, until GET `health` answers 200.
     Raises RuntimeError with the log's tail if it exits or does not come up."""
     env = dict(os.environ if env is None else env)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -60,7 +60,7 @@ def launch(command: list[str], port: int, log_path: str, env: dict | None = None
         if proc.poll() is not None:
             break
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}{health}", timeout=2.0).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass
@@ -353,6 +353,307 @@ def plot(rows: list[dict], servers: list[str], rates: list[float], path: str) ->
     print(f"wrote {path}")
 
 
+# ---------------------------------------------------------------------------------- chat and mixed (GGUF)
+# Issue 43: the real model (SmolLM2-135M-Instruct, the Q4_1 GGUF) served by specdec (int4, its defaults) with and
+# without the prefix cache and chunked prefill, and by llama-cpp-python's OpenAI server on the same file.
+GGUF = os.path.join(os.environ.get("SPECDEC_TEST_CACHE") or os.path.join(REPO, ".cache", "real_model"),
+                    "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def gguf_server_command(name: str, port: int, args) -> list[str]:
+    """`llamacpp`: `python -m llama_cpp.server` (its `Llama.generate` keeps the KV of the last prompt and reuses
+    its longest common prefix with the next one: llama.cpp's prompt cache); `specdec[+cache][+chunk=N]`: our
+    server, int4, with --prefix-cache-gb and --prefill-chunk N."""
+    threads = str(args.threads)
+    if name == "llamacpp":
+        return [sys.executable, "-m", "llama_cpp.server", "--model", args.gguf, "--host", "127.0.0.1", "--port",
+                str(port), "--n_threads", threads, "--n_threads_batch", threads, "--n_ctx", "8192", "--model_alias",
+                "bench", "--interrupt_requests", "False", "--verbose", "False"]
+    flags = ["--target", args.gguf, "--quantize", "int4", "--batch-size", str(args.batch_size), "--max-waiting",
+             "1000", "--served-model-name", "bench"]
+    for part in name.split("+")[1:]:
+        if part == "cache":
+            flags += ["--prefix-cache-gb", str(args.prefix_cache_gb)]
+        elif part.startswith("chunk="):
+            flags += ["--prefill-chunk", part.split("=")[1]]
+        else:
+            raise SystemExit(f"unknown server {name!r}")
+    return specdec_command(port, *flags)
+
+
+def question_texts(path: str) -> list[str]:
+    """Every turn of every SpecBench question, in file order."""
+    with open(path, encoding="utf-8") as f:
+        return [t for line in f if line.strip() for t in json.loads(line)["turns"]]
+
+
+def user_messages(texts: list[str], tokenizer, count: int, tokens: int, offset: int) -> list[str]:
+    """`count` user messages of about `tokens` tokens each: consecutive questions from `offset` joined."""
+    out, i = [], offset
+    for _ in range(count):
+        parts = []
+        while len(tokenizer.encode("\n\n".join(parts), add_special_tokens=False)) < tokens:
+            parts.append(texts[i % len(texts)])
+            i += 1
+        out.append("\n\n".join(parts))
+    return out
+
+
+async def stream_events(http, base: str, path: str, body: dict, events: list, started: float) -> None:
+    """Stream a request, appending (seconds since `started`, tokens in the chunk) for every chunk with text to
+    `events` (tokens: the chunk's `token_ids` where the server sends them, else 1)."""
+    async with http.stream("POST", f"{base}{path}", json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices") or ():
+                text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+                ids = choice.get("token_ids")
+                if text or ids:
+                    events.append((time.perf_counter() - started, len(ids) if ids else 1))
+
+
+async def chat_turn(http, base: str, history: list[dict], max_tokens: int, tokenizer) -> dict:
+    """One turn: send `history` (ending with the new question), stream the answer, append it to `history`.
+    Returns the prompt tokens (our tokenizer), TTFT (to the first content chunk), the answer's time."""
+    prompt = len(tokenizer.encode(tokenizer.apply_chat_template(history), add_special_tokens=False))
+    body = {"model": "bench", "messages": history, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    events, text = [], []
+    started = time.perf_counter()
+    async with http.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:]).get("choices") or ():
+                    piece = (choice.get("delta") or {}).get("content")
+                    if piece:
+                        events.append(time.perf_counter() - started)
+                        text.append(piece)
+    history.append({"role": "assistant", "content": "".join(text)})
+    return {"prompt_tokens": prompt, "ttft": events[0] if events else None, "total": time.perf_counter() - started,
+            "chunks": len(events), "answer_chars": len("".join(text))}
+
+
+async def chat_sessions(bases: dict, order: list[str], messages: list[str], max_tokens: int, tokenizer):
+    """One conversation per server, turn by turn and interleaved: turn t goes to every server in turn (the
+    order rotating each turn), each server continuing its own conversation with its own answers, so that a
+    turn's times on the servers are taken seconds apart (the machine's load drifts). Yields (server, turn, row)."""
+    histories = {name: [] for name in order}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600)) as http:
+        for turn, question in enumerate(messages, 1):
+            shift = (turn - 1) % len(order)
+            for name in order[shift:] + order[:shift]:
+                histories[name].append({"role": "user", "content": question})
+                yield name, turn, await chat_turn(http, bases[name], histories[name], max_tokens, tokenizer)
+
+
+async def chat_session(base: str, messages: list[str], max_tokens: int, tokenizer) -> list[dict]:
+    """One conversation on one server; per turn what `chat_turn` returns, with the turn."""
+    return [{"turn": turn, **row} async for _, turn, row in chat_sessions({"one": base}, ["one"], messages,
+                                                                        max_tokens, tokenizer)]
+
+
+def start_servers(names: list[str], args) -> tuple[dict, dict]:
+    """Start the servers (each alone: one at a time); if one fails to come up, stop those already started."""
+    procs, bases = {}, {}
+    try:
+        for name in names:
+            port = free_port()
+            command = gguf_server_command(name, port, args)
+            print(f"starting {name}: {shlex.join(command)}", flush=True)
+            procs[name] = launch(command, port, os.path.join(args.out, f"server-{name}.log"), server_env(args),
+                                 timeout_s=900, health="/v1/models" if name == "llamacpp" else "/health")
+            bases[name] = f"http://127.0.0.1:{port}"
+    except BaseException:
+        for proc in procs.values():
+            stop(proc)
+        raise
+    return procs, bases
+
+
+def chat_main(args) -> None:
+    """`chat`: per repeat, a 10-turn conversation on every server, interleaved turn by turn (`chat_sessions`;
+    only the server answering works, the others are idle); each repeat with other questions, so that no
+    server finds an earlier repeat's conversation in its cache."""
+    from specdec.models import load_tokenizer
+
+    os.makedirs(args.out, exist_ok=True)
+    tokenizer = load_tokenizer(args.gguf)
+    texts = question_texts(args.prompts)
+    servers = args.servers.split(",")
+    meta = {"type": "meta", "mode": "chat", "command": command_line("bench.serve"), "git": git_revision(),
+            "servers": servers, "turns": args.turns, "question_tokens": args.question_tokens,
+            "max_tokens": args.max_tokens, "repeats": args.repeats, "threads": args.threads,
+            "loadavg_before": list(os.getloadavg())}
+    rows = []
+    procs, bases = start_servers(servers, args)
+    try:
+        for name in servers:  # warm-up: one short conversation each (first-call costs stay out)
+            asyncio.run(chat_session(bases[name], user_messages(texts, tokenizer, 2, 40, 10_000), 8, tokenizer))
+        for repeat in range(args.repeats):
+            messages = user_messages(texts, tokenizer, args.turns, args.question_tokens, 997 * repeat)
+
+            async def run_repeat():
+                order = servers[repeat % len(servers):] + servers[: repeat % len(servers)]
+                async for name, turn, row in chat_sessions(bases, order, messages, args.max_tokens, tokenizer):
+                    rows.append({"type": "turn", "server": name, "repeat": repeat, "turn": turn, **row,
+                                 "loadavg": os.getloadavg()[0]})
+                    print(json.dumps(rows[-1]), flush=True)
+
+            asyncio.run(run_repeat())
+    finally:
+        for proc in procs.values():
+            stop(proc)
+    meta["loadavg_after"] = list(os.getloadavg())
+    write_jsonl(os.path.join(args.out, "chat.jsonl"), [meta, *rows])
+    table = chat_report(meta, rows)
+    print(table)
+    with open(os.path.join(args.out, "chat.md"), "w") as f:
+        f.write(table)
+
+
+def chat_report(meta: dict, rows: list[dict]) -> str:
+    servers = meta["servers"]
+    by = {}
+    for r in rows:
+        by.setdefault((r["server"], r["turn"]), []).append(r)
+
+    def med(server, turn, key):
+        values = [r[key] for r in by.get((server, turn), []) if r[key] is not None]
+        return statistics.median(values) if values else None
+
+    lines = [f"`{meta['command']}` (git {meta['git']}; {meta['turns']} turns of ~{meta['question_tokens']}-token questions, "
+             f"{meta['max_tokens']} tokens per answer at most, greedy; {meta['repeats']} conversations per server; "
+             f"{meta['threads']} thread(s) per server; load average {meta['loadavg_before'][0]:.1f} before, "
+             f"{meta['loadavg_after'][0]:.1f} after)", "",
+             "TTFT per turn, seconds (median over the conversations; prompt tokens as our tokenizer counts them):", "",
+             "| turn | prompt tokens | " + " | ".join(servers) + " |", "|---:|---:|" + "---:|" * len(servers)]
+    turns = sorted({r["turn"] for r in rows})
+    for t in turns:
+        prompt = med(servers[0], t, "prompt_tokens")
+        cells = [f"{v:.2f}" if (v := med(s, t, "ttft")) is not None else "-" for s in servers]
+        lines.append(f"| {t} | {prompt:.0f} | " + " | ".join(cells) + " |")
+    late = [t for t in turns if t >= 5]
+    lines += ["", "Turns 5-10, the per-turn ratio of TTFTs (each conversation's turn against the same turn of the "
+              "other server's conversation in the same repeat), median and max over turns and repeats:", ""]
+    pairs = [(a, b) for a in servers for b in servers if a != b and a.startswith("specdec+cache")]
+    for a, b in pairs:
+        ratios = []
+        for t in late:
+            xs = {r["repeat"]: r["ttft"] for r in by.get((a, t), [])}
+            ys = {r["repeat"]: r["ttft"] for r in by.get((b, t), [])}
+            ratios += [xs[k] / ys[k] for k in xs if k in ys and xs[k] and ys[k]]
+        if ratios:
+            lines.append(f"- {a} / {b}: median {statistics.median(ratios):.3f}, max {max(ratios):.3f} "
+                         f"({len(ratios)} turns)")
+    return "\n".join(lines) + "\n"
+
+
+def itl_tokens(events: list, lo: float, hi: float) -> list[float]:
+    """Per-token inter-token latencies of a stream's chunks (time, tokens) whose gap overlaps [lo, hi]: each
+    token of a chunk that brings n tokens dt after the previous one counts dt / n."""
+    out = []
+    for (t0, _), (t1, n) in zip(events, events[1:]):
+        if t1 > lo and t0 < hi:
+            out += [(t1 - t0) / n] * n
+    return out
+
+
+async def mixed_run(base: str, stream_prompts: list[list[int]], long_prompt: list[int], args) -> dict:
+    """Running streams, then a long admission among them: the streams' per-token ITL in steady state (a window
+    of --steady-s before the admission, from each stream's 8th token on, and one after its first token and its
+    4 tokens: the streams' contexts grow meanwhile, so both) and during it (from its arrival to its first
+    token), and its TTFT."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=httpx.Limits(max_connections=100)) as http:
+        started = time.perf_counter()
+        streams = [[] for _ in stream_prompts]
+        tasks = [asyncio.create_task(stream_events(http, base, "/v1/completions", {
+            "model": "bench", "prompt": p, "max_tokens": args.stream_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}, events, started)) for p, events in zip(stream_prompts, streams)]
+        while min(sum(n for _, n in e) for e in streams) < 8:
+            await asyncio.sleep(0.05)
+            for task in tasks:
+                if task.done():
+                    task.result()
+        warm = time.perf_counter() - started
+        await asyncio.sleep(args.steady_s)
+        sent = time.perf_counter() - started
+        admission: list = []
+        await stream_events(http, base, "/v1/completions", {"model": "bench", "prompt": long_prompt, "max_tokens": 4,
+                                                             "temperature": 0, "return_token_ids": True},
+                            admission, started)
+        first, done = admission[0][0], time.perf_counter() - started
+        await asyncio.sleep(args.steady_s)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    before = [x for e in streams for x in itl_tokens(e, warm, sent)]
+    after = [x for e in streams for x in itl_tokens(e, done + 0.5, done + args.steady_s)]
+    steady = before + after
+    during = [x for e in streams for x in itl_tokens(e, sent, first)]
+    return {"admission_ttft": first - sent, "steady_p50": percentile(steady, 50), "steady_p95": percentile(steady, 95),
+            "before_p95": percentile(before, 95), "after_p95": percentile(after, 95),
+            "during_p50": percentile(during, 50), "during_p95": percentile(during, 95),
+            "steady_tokens": len(steady), "during_tokens": len(during),
+            "stalls_max": max((b - a for e in streams for (a, _), (b, _) in zip(e, e[1:]) if b > sent and a < first),
+                              default=None)}
+
+
+def mixed_main(args) -> None:
+    """`mixed`: --streams streaming completions decode; after --steady-s seconds a --long-tokens prompt arrives.
+    Each server (a fresh process, alone on the machine) per repeat, the order rotating."""
+    from specdec.models import load_tokenizer
+
+    os.makedirs(args.out, exist_ok=True)
+    tokenizer = load_tokenizer(args.gguf)
+    texts = question_texts(args.prompts)
+    ids = tokenizer.encode("\n\n".join(texts[:400]), add_special_tokens=False)
+    stream_prompts = [tokenizer.encode(t, add_special_tokens=False)[:48] for t in texts[500:500 + args.streams]]
+    servers = args.servers.split(",")
+    meta = {"type": "meta", "mode": "mixed", "command": command_line("bench.serve"), "git": git_revision(),
+            "servers": servers, "streams": args.streams, "long_tokens": args.long_tokens, "steady_s": args.steady_s,
+            "repeats": args.repeats, "threads": args.threads, "loadavg_before": list(os.getloadavg())}
+    rows = []
+    for repeat in range(args.repeats):
+        long_prompt = ids[repeat * 97: repeat * 97 + args.long_tokens]  # another prompt each repeat
+        for name in servers[repeat % len(servers):] + servers[: repeat % len(servers)]:
+            procs, bases = start_servers([name], args)
+            try:
+                asyncio.run(chat_session(bases[name], user_messages(texts, tokenizer, 1, 20, 10_000), 8, tokenizer))
+                row = {"type": "mixed", "server": name, "repeat": repeat,
+                       **asyncio.run(mixed_run(bases[name], stream_prompts, long_prompt, args))}
+            finally:
+                stop(procs[name])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    meta["loadavg_after"] = list(os.getloadavg())
+    write_jsonl(os.path.join(args.out, "mixed.jsonl"), [meta, *rows])
+    table = mixed_report(meta, rows)
+    print(table)
+    with open(os.path.join(args.out, "mixed.md"), "w") as f:
+        f.write(table)
+
+
+def mixed_report(meta: dict, rows: list[dict]) -> str:
+    lines = [f"`{meta['command']}` (git {meta['git']}; {meta['streams']} running streams, a {meta['long_tokens']}-token "
+             f"admission after {meta['steady_s']:g} s; {meta['repeats']} repeats; {meta['threads']} thread(s); load "
+             f"average {meta['loadavg_before'][0]:.1f} before, {meta['loadavg_after'][0]:.1f} after)", "",
+             "Steady: a window before the admission and one after it, pooled (p95 before / after apart).", "",
+             "| server | repeat | steady ITL p50 / p95 ms (p95 before / after) | during the admission ITL p50 / p95 ms "
+             "| p95 during / steady | longest stall s | admission TTFT s |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = r["during_p95"] / r["steady_p95"] if r["during_p95"] and r["steady_p95"] else None
+        stall = "-" if r["stalls_max"] is None else f"{r['stalls_max']:.2f}"
+        lines.append(f"| {r['server']} | {r['repeat']} | {_ms(r['steady_p50'])} / {_ms(r['steady_p95'])} "
+                     f"({_ms(r.get('before_p95'))} / {_ms(r.get('after_p95'))}) | "
+                     f"{_ms(r['during_p50'])} / {_ms(r['during_p95'])} | {'-' if ratio is None else f'{ratio:.2f}'} | "
+                     f"{stall} | {r['admission_ttft']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 # ------------------------------------------------------------------------------------------------ soak
 
 
@@ -432,7 +733,7 @@ def soak_main(args) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    p.add_argument("mode", nargs="?", choices=("load", "soak"), default="load")
+    p.add_argument("mode", nargs="?", choices=("load", "soak", "chat", "mixed"), default="load")
     p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)}")
     p.add_argument("--rates", default="0.5,1,2,4,8", help="request rates (req/s), comma-separated")
     p.add_argument("--requests", type=int, default=32, help="requests per run (server x rate x repeat)")
@@ -451,6 +752,14 @@ def main(argv=None) -> None:
     p.add_argument("--soak-requests", type=int, default=1000, help="soak: requests in all")
     p.add_argument("--concurrency", type=int, default=16, help="soak: requests in flight")
     p.add_argument("--every", type=int, default=100, help="soak: read the server's RSS every N finished requests")
+    p.add_argument("--gguf", default=GGUF, help="chat, mixed: the GGUF file every server loads")
+    p.add_argument("--turns", type=int, default=10, help="chat: turns per conversation")
+    p.add_argument("--question-tokens", type=int, default=130, help="chat: tokens per user message (about)")
+    p.add_argument("--prefix-cache-gb", type=float, default=1.0, help="chat, mixed: servers named +cache")
+    p.add_argument("--streams", type=int, default=3, help="mixed: running streams")
+    p.add_argument("--stream-tokens", type=int, default=4000, help="mixed: max_tokens of each running stream")
+    p.add_argument("--long-tokens", type=int, default=4000, help="mixed: the admission's prompt tokens")
+    p.add_argument("--steady-s", type=float, default=15.0, help="mixed: seconds of steady decoding before it")
     p.add_argument("--from-jsonl", metavar="FILE", nargs="+", help="no runs: the table and plot of earlier runs' "
                    "serve.jsonl files together (e.g. a low-rate and a high-rate run)")
     p.add_argument("--quick", action="store_true", help="smoke test: " + ", ".join(
@@ -459,7 +768,7 @@ def main(argv=None) -> None:
     if args.from_jsonl:
         report_main(args)
     else:
-        (soak_main if args.mode == "soak" else load_main)(args)
+        {"soak": soak_main, "chat": chat_main, "mixed": mixed_main}.get(args.mode, load_main)(args)
 
 
 if __name__ == "__main__":

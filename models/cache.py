@@ -223,6 +223,20 @@ class KVCache:
         for row, dest, n in zip(rows, starts, other.host_length):
             self.host_start[row], self.host_length[row] = dest, n
 
+    def select_rows(self, index: list[int]) -> "KVCache":
+        """A new cache (same capacity and layout) whose row i is a copy of row index[i]: its cached columns
+        only, one slice copy per row (the n choices of one prompt, prefilled once)."""
+        L, two, _, H, C, D = self.kv.shape
+        kv = torch.zeros(L, two, len(index), H, C, D, dtype=self.kv.dtype, device=self.kv.device)  # [L, 2, b, H_kv, C, D]
+        for i, j in enumerate(index):
+            s, n = self.host_start[j], self.host_length[j]
+            kv[:, :, i, :, s:s + n].copy_(self.kv[:, :, j, :, s:s + n])  # [L, 2, H_kv, n, D]
+        rows = torch.tensor(index, dtype=torch.int64, device=self.kv.device)  # [b]
+        cache = KVCache(kv, self._start.index_select(0, rows), self._length.index_select(0, rows), self.layout,
+                        [self.host_start[j] for j in index], [self.host_length[j] for j in index])
+        cache.backend = self.backend
+        return cache
+
     def grow(self, capacity: int) -> None:
         """Give every row `capacity` columns (the cached columns keep their places; the new ones are zero)."""
         if capacity > self.capacity:

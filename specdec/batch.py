@@ -51,6 +51,7 @@ class DecodeContext:
     target_name: str = "target"
     chooser: object | None = None  # auto k: a `specdec.autok.KChooser`; None: fixed k
     proposer: object | None = None  # where drafts come from (specdec/proposers); None: AR, target only
+    prefix_cache: object | None = None  # a `specdec.prefix_cache.PrefixCache` (shared by the LLM's engines), or None
     warned: set = field(default_factory=set)  # warnings already given in this run
 
     @property
@@ -297,6 +298,27 @@ class Batch:
             self.requests[slot] = request
         self.seq_len = self.seq_len.index_copy(0, index, other.seq_len)  # [B]
         self._rows_changed()
+
+    def relayout(self, ctx: "DecodeContext", layout: str) -> None:
+        """Move a freshly prefilled batch's rows into new caches of `layout` (same capacity): left-padded,
+        every row ends at the longest row's edge, target and draft rows at one start. One copy of each row's
+        cached columns; the sequences and features stay (they are logical)."""
+        if self.target_cache.layout == layout:
+            return
+        edge = max(self.target_cache.host_length, default=0)
+        starts = [edge - n for n in self.target_cache.host_length] if layout == LEFT_PADDED else [0] * len(self)
+        if starts == self.target_cache.host_start:  # already there (one row, or rows of one length)
+            for cache in self.caches():
+                cache.layout = layout
+            return
+        rows = list(range(len(self)))
+        for name, model in (("target_cache", ctx.target), ("draft_cache", ctx.draft)):
+            old = getattr(self, name)
+            if old is None:
+                continue
+            new = ctx.new_cache(model, len(self), old.capacity, layout)
+            new.load_rows(rows, old, starts)
+            setattr(self, name, new)
 
     def add_rows(self, count: int) -> None:
         """`count` empty rows (request None, empty caches) after the existing ones, for `load` to fill."""

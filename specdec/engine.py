@@ -79,7 +79,7 @@ class Engine:
         self.chooser = llm.chooser.for_engine() if llm.chooser is not None else None
         self.ctx = DecodeContext(llm.target, llm.draft, llm.options, llm.vocab_size, llm.device, self.metrics,
                                  PhaseTimer(self.metrics, llm.device, llm.options.profile), llm.target_name,
-                                 self.chooser, self.proposer)
+                                 self.chooser, self.proposer, llm.prefix_cache)
         self.metrics.drafter = None if self.proposer is None else self.proposer.name
         self.scheduler = SCHEDULERS[llm.method](self.ctx, self.batch_size)
         self._calibrated_rows = 0  # auto k: the batch size its cost table was measured at
@@ -93,6 +93,10 @@ class Engine:
         self._running = 0  # published by each step, for other threads
         self._checked = (0, 0)  # (rows, columns) whose caches were found to fit in memory
         self.stream_text = stream_text
+        # called inside `step()` with the deltas of its admissions (first tokens), right after they are made and
+        # before the step's decoding run, which then reports only what it adds: a server streams a newcomer's
+        # first token without waiting for that run (specdec/serve/worker.py); None: everything at the step's end
+        self.on_first_tokens = None
         self._detokenizers: dict[tuple, IncrementalDetokenizer] = {}  # (id, choice) -> its text so far (streaming)
 
     # ------------------------------------------------------------------------------------ requests
@@ -176,7 +180,10 @@ class Engine:
             raise RuntimeError("Engine.step() is already running in another thread; step from one thread")
         try:
             started, calibrated = time.perf_counter(), self.metrics.calibration_s
+            first_tokens = self.metrics.first_tokens
             batch = self._schedule()
+            if self.on_first_tokens is not None and self.metrics.first_tokens > first_tokens:
+                self.on_first_tokens(self._deltas())  # the newcomers' first tokens, before the decoding run
             if batch is not None:
                 run_started, rows = time.perf_counter(), len(batch)
                 out = decode_step(self.ctx, batch)  # run: every row's tokens, read from the device once
@@ -217,13 +224,14 @@ class Engine:
         chooser = self.llm.chooser  # calibrated there: the costs are the models', shared by the LLM's engines
         if chooser is None:
             return
-        live = len(self.scheduler.running()) + len(self.scheduler.waiting)
+        queued = self.scheduler.queued()  # waiting, or being prefilled in chunks
+        live = len(self.scheduler.running()) + len(queued)
         if not live:
             return
         rows = min(self.batch_size, 1 << (live - 1).bit_length())
         if rows <= self._calibrated_rows:
             return
-        requests = self.scheduler.running() + list(self.scheduler.waiting)
+        requests = self.scheduler.running() + queued
         started = time.perf_counter()
         prepare_chooser(self.llm, chooser, requests, *self.llm.specs, rows)
         self.chooser.costs, self.chooser.key = chooser.costs, chooser.key

@@ -76,7 +76,8 @@ ENGINE_KWARGS = {
     "compile": "compile", "packed_weights": "packed_weights", "batch_invariant": "batch_invariant",
     "profile": "profile", "lookup": "lookup", "lookup_min_match": "lookup_min_match", "ngram_min": "ngram_min",
     "ngram_max": "ngram_max", "suffix_store_tokens": "suffix_store_tokens", "quantize": "quantize",
-    "draft_quantize": "draft_quantize", "cuda_graphs": "cuda_graphs",
+    "draft_quantize": "draft_quantize", "cuda_graphs": "cuda_graphs", "prefix_cache_gb": "prefix_cache_gb",
+    "prefill_chunk": "prefill_chunk",
 }
 
 QUANTIZE = ("int8", "int4")  # specdec.models.quant.FORMATS (tests/test_flags.py holds them equal)
@@ -141,6 +142,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str = "rows dec
                    "whatever else shares the forward, so greedy speculative output equals AR bit for bit in "
                    "bfloat16 and float32 too (slower; docs/design.md). Bare flag: on. Default auto: on for the "
                    "speculative methods on CUDA where a start-up measurement finds it costs at most 1.15x, else off")
+    # checked by LLM (one line naming the flag), not by argparse (its usage text and error span several lines)
+    p.add_argument("--prefix-cache-gb", type=float, metavar="GIB", help="keep the K/V of prompts and outputs "
+                   "seen before, in at most this many GiB (least recently used dropped first): a prompt that begins "
+                   "with one (the next turn of a chat) prefills only the rest (default: off; docs/serve.md)")
+    p.add_argument("--prefill-chunk", type=int, metavar="TOKENS", help="prefill a prompt of more (uncached) "
+                   "tokens than this in chunks of this many, one per engine step, while the running requests keep "
+                   "decoding (default: at once)")
     p.add_argument("--profile", action="store_true", help="time every phase of every step (draft, verify, accept, "
                    "realign...) for the realign share and the JSON metrics; synchronises the device at each phase")
 

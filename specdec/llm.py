@@ -20,6 +20,8 @@ from .drafts import shipped_draft
 from .engine import Engine
 from .metrics import RunMetrics
 from .options import AUTO, EngineOptions, positions_needed
+from .memory import HEADROOM, available_bytes
+from .prefix_cache import GIB, PrefixCache, budget_bytes
 from .proposers import LOOKUPS, CombinedProposer, ModelProposer, NgramProposer, SuffixProposer, SuffixStore
 from .sampling import SamplingParams
 from .schedulers import SCHEDULERS, SPECULATIVE
@@ -70,6 +72,10 @@ class LLM:
     specdec/proposers, docs/api.md) for each Engine; it drafts without a model (`draft` must be None).
     num_speculative_tokens: k, or "auto" (default): chosen every step, 0..max_speculative_tokens, from
     measured costs and each request's acceptance (docs/design.md).
+    prefix_cache_gb: keep the K/V of prompts and outputs seen before, up to this many GiB (least recently used
+    dropped first), so that a prompt that begins with one prefills only the rest (specdec/prefix_cache.py);
+    None: no prefix cache. prefill_chunk: prefill a prompt of more (uncached) tokens than this in chunks of
+    this many, one per engine step, while the running rows decode; None: at once.
     check_invariants: verify invariants I2-I6 after every step (default: $SPECDEC_CHECK_INVARIANTS).
     compile: torch.compile the forwards (docs/api.md says what it costs). profile: time the phases of
     every step (synchronises; off by default). The other options: docs/api.md.
@@ -83,7 +89,8 @@ class LLM:
                  profile: bool = False, cost_cache: str | None = None, batch_invariant: bool | str = "auto",
                  packed_weights: bool | None = None, lookup: str | None = None, lookup_min_match: int = 2,
                  ngram_min: int = 1, ngram_max: int = 4, suffix_store_tokens: int = 16384, proposer=None,
-                 quantize: str | None = None, draft_quantize: str | None = None, cuda_graphs: bool | None = None):
+                 quantize: str | None = None, draft_quantize: str | None = None, cuda_graphs: bool | None = None,
+                 prefix_cache_gb: float | None = None, prefill_chunk: int | None = None):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
@@ -103,12 +110,19 @@ class LLM:
             num_speculative_tokens=k if speculative else 0, max_speculative_tokens=max_speculative_tokens,
             window_size=window_size, max_wait_steps=max_wait_steps, realign_cost_ratio=realign_cost_ratio,
             fold_shift=fold_shift, kernel_backend=kernel_backend, compile=compile, profile=profile,
-            check_invariants=check_invariants, cost_cache=cost_cache)
+            check_invariants=check_invariants, cost_cache=cost_cache, prefill_chunk=prefill_chunk)
+        prefix_budget = None if prefix_cache_gb is None else budget_bytes(prefix_cache_gb)
         self.method = method
         self.k = self.options.num_speculative_tokens  # an int, or "auto"
         self.batch_size = batch_size
         self.device = engine_device(device, target)  # "auto": CUDA when available (or the model object's), else CPU
         self.check_weights = check_weights  # scan loaded weights for NaN/inf (load_model(check_weights=...))
+        free = None if prefix_budget is None else available_bytes(self.device)
+        if free is not None and prefix_budget > HEADROOM * free:
+            raise ValueError(f"prefix_cache_gb (--prefix-cache-gb) {prefix_cache_gb:g} GiB is more than the "
+                             f"{HEADROOM * free / GIB:.1f} GiB that can be used on {self.device}")
+        # the K/V of prefixes seen before, shared by every Engine (and server request) of this LLM
+        self.prefix_cache = None if prefix_budget is None else PrefixCache(prefix_budget)
 
         if lookup is not None and lookup not in LOOKUPS:
             raise ValueError(f"lookup must be one of {LOOKUPS} or None, got {lookup!r}")

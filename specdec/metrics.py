@@ -28,6 +28,9 @@ class RunMetrics:
     draft_forwards: int = 0
     grouped_steps: int = 0  # EXSPEC: steps whose batch needed no realignment
     lookup_rows: int = 0  # a draft model with a lookup beside it: row-steps that took the lookup's drafts
+    prefix_queried_tokens: int = 0  # prefix cache: prompt tokens looked up (each distinct prompt once) ...
+    prefix_hit_tokens: int = 0  # ... and found there: copied in instead of prefilled
+    prefill_chunks: int = 0  # chunked prefill: chunks fed (one per engine step at most)
     drafts_by_drafter: dict = field(default_factory=dict)  # drafter name -> [proposed, accepted] drafts
     k_histogram: dict = field(default_factory=dict)  # k -> steps that proposed k drafts (0: target-only)
     predicted_step_s: float = 0.0  # auto k: the cost model's predicted time of the steps it chose ...
@@ -83,7 +86,8 @@ class RunMetrics:
             "realign_share": self.realign_share, "grouping_rate": self.grouping_rate,
             "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())},
             "predicted_step_s": self.predicted_step_s, "measured_step_s": self.measured_step_s,
-            "calibration_s": self.calibration_s,
+            "calibration_s": self.calibration_s, "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prefix_queried_tokens": self.prefix_queried_tokens, "prefill_chunks": self.prefill_chunks,
             "phase_time_s": dict(self.phase_time_s) if self.profiled else None,
             "latency_s": self.latency_percentiles("latency"), "ttft_s": self.latency_percentiles("ttft"),
         }

@@ -34,6 +34,9 @@ class EngineOptions:
     profile: bool = False  # time phases (draft / verify / accept / realign ...), synchronising at each boundary
     check_invariants: bool = False  # check I2-I6 after every step (slow, debugging and tests)
     cost_cache: str | None = None  # auto k: JSON file of calibrated costs (None: the user's cache directory)
+    # a prompt with more uncached tokens than this is prefilled this many tokens per engine step, while the
+    # running rows decode (and a step's other admissions prefill this many tokens at most); None: at once
+    prefill_chunk: int | None = None
 
     def __post_init__(self):
         k = self.num_speculative_tokens
@@ -47,6 +50,10 @@ class EngineOptions:
             raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}")
         if math.isnan(self.realign_cost_ratio) or self.realign_cost_ratio < 0:
             raise ValueError(f"realign_cost_ratio must be >= 0, got {self.realign_cost_ratio}")
+        chunk = self.prefill_chunk
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"prefill_chunk (--prefill-chunk) must be an int >= 1 (tokens; leave it unset to prefill "
+                             f"prompts at once), got {chunk!r}")
         if self.kernel_backend is not None and self.kernel_backend not in BACKENDS:
             raise ValueError(f"kernel_backend must be one of {BACKENDS} or None, got {self.kernel_backend!r}")
 

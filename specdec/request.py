@@ -27,6 +27,7 @@ class Request:
     acceptance: list[float] = field(default_factory=lambda: [0.0, 0.0])  # auto k's decayed [accepted, offered]
     choice: int = 0  # which of its request's n completions this is (SamplingParams.n): (request_id, choice) is unique
     logprobs: list | None = None  # a TokenLogprob per output token (specdec/logprobs.py), if params.logprobs is set
+    prefix_stored: bool = False  # its sequence's K/V went to the prefix cache when it finished (specdec/prefill.py)
 
     def __post_init__(self):
         if self.seed is None and not self.params.greedy:

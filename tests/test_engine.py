@@ -297,3 +297,35 @@ def test_streamed_text_equals_final_text():
         assert texts[rid] == final
     byte_range = range(3 + 0x80, 3 + 0x100)  # the tokenizer's non-ASCII byte pieces <0x80>..<0xFF>
     assert any(t in byte_range for seq in ids.values() for t in seq), "no byte-fallback piece was emitted"
+
+
+def test_first_tokens_are_handed_over_before_the_steps_decoding_run(pair):
+    """`Engine.on_first_tokens` gets a step's admissions' deltas (their first tokens) before the step decodes;
+    the step then returns only what its run added, and the tokens are the same as without the hook."""
+    target, draft = pair
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    llm = LLM(target, draft, method="ragged", num_speculative_tokens=2, batch_size=4, dtype="float64")
+    plain = llm.generate(prompt_token_ids=[[5, 6, 7], [8, 9]], sampling_params=params)
+    engine = llm.engine()
+    early, tokens = [], {}
+
+    def hook(deltas):
+        early.append([(d.request_id, list(d.token_ids)) for d in deltas])
+        for d in deltas:
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+
+    engine.on_first_tokens = hook
+    engine.add_request([5, 6, 7], params, request_id="0")
+    for step in range(40):
+        if step == 2:
+            engine.add_request([8, 9], params, request_id="1")
+        seen = len(early)
+        for d in engine.step():
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+        if step in (0, 2):  # the admissions' steps: the first token came through the hook, alone
+            assert len(early) == seen + 1 and early[-1] == [(str(step // 2), tokens[str(step // 2)][:1])]
+        else:
+            assert len(early) == seen
+        if not engine.has_unfinished():
+            break
+    assert [tokens["0"], tokens["1"]] == [o.token_ids for o in plain]

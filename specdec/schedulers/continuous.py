@@ -13,6 +13,12 @@
 
 Rows join and leave by copying that row alone (`Batch.load`, `Batch.drop_finished`); the batch's storage is
 copied only when it grows (more rows: `Batch.reserve`, in powers of two; more columns: `Batch.grow`).
+
+With a prefix cache (specdec/prefix_cache.py) a newcomer's prefill copies its prompt's cached prefix in
+and feeds the rest (specdec/prefill.py), and a finished row's sequence is stored before its row is reused.
+With chunked prefill (`prefill_chunk`) a prompt with more uncached tokens than a chunk is prefilled one
+chunk per step (`ChunkedPrefill`, one at a time, its rows kept free for it) while the running rows decode,
+and a step's other newcomers prefill at most a chunk's worth of tokens (one newcomer at least).
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from collections import deque
 
 from ..batch import LEFT_PADDED, Batch, DecodeContext, required_capacity
 from ..commit import commit
+from ..prefill import Budget, ChunkedPrefill, store_finished, take_long, take_waiting
 from ..speculative import prefill
 
 
@@ -30,10 +37,21 @@ class ContinuousScheduler:
         self.layout = layout
         self.waiting: deque = deque()  # requests not yet holding a row, in arrival order
         self.batch: Batch | None = None
+        self.job: ChunkedPrefill | None = None  # a long prompt being prefilled a chunk per step
 
     # --------------------------------------------------------------------------------------- rows
     def running(self) -> list:
         return [r for r in self.batch.requests if not r.finished] if self.batch is not None else []
+
+    def queued(self) -> list:
+        """Requests without a row yet: waiting, or being prefilled in chunks."""
+        return list(self.waiting) + (self.job.requests if self.job is not None else [])
+
+    def _rows_free(self) -> int:
+        """Rows newcomers may take now: the batch's free and unused rows, less those kept for the chunked
+        prefill in progress."""
+        live = len(self.running())
+        return self.batch_size - live - (len(self.job.requests) if self.job is not None else 0)
 
     def rows_for(self, live: int) -> int:
         """Cache rows allocated while `live` requests are running or waiting."""
@@ -44,14 +62,19 @@ class ContinuousScheduler:
         admission (a finished row is refilled or dropped there)."""
         if request in self.waiting:
             self.waiting.remove(request)
+        if self.job is not None and all(r.finished for r in self.job.requests):
+            self.job = None  # every request of the chunked prefill was aborted: its caches go
 
-    def _prefill(self, n: int, capacity: int | None = None) -> tuple[Batch | None, list]:
+    def _prefill(self, n: int, capacity: int | None = None, budget: Budget | None = None) -> tuple[Batch | None, list]:
         """Prefill up to n waiting requests, into caches of `capacity` columns (at least what they need), or
         None: of their prompts only (rows that are copied into the batch, which `_room_for` grows). Returns
         the batch of those still live (None if none) and the ones that finished at their first token."""
         done = []
+        budget = budget or Budget(None)
         while self.waiting:
-            chunk = [self.waiting.popleft() for _ in range(min(n, len(self.waiting)))]
+            chunk = take_waiting(self.ctx, self.waiting, n, budget)
+            if not chunk:
+                break
             need = (max(capacity, required_capacity(chunk, self.ctx.k_max)) if capacity is not None
                     else max(len(r.prompt_ids) for r in chunk) + 1)
             fresh, first = prefill(self.ctx, chunk, self.layout, need)
@@ -60,6 +83,40 @@ class ContinuousScheduler:
             if len(fresh):
                 return fresh, done
         return None, done
+
+    def _chunk(self) -> tuple[Batch | None, list]:
+        """Chunked prefill: start one for a long waiting prompt if none runs and rows are free for it, and
+        feed one chunk. Returns its batch after its last chunk (None before, or if all finished at their
+        first token) and the requests that did."""
+        if self.job is None:
+            group = take_long(self.ctx, self.waiting, self._rows_free())
+            if group:
+                self.job = ChunkedPrefill(self.ctx, group, self.ctx.options.prefill_chunk, self.layout)
+        if self.job is None:
+            return None, []
+        out = self.job.advance()
+        if out is None:
+            return None, []
+        self.job = None
+        fresh, first = out
+        commit(self.ctx, fresh.requests, first)
+        done = fresh.drop_finished()
+        return (fresh if len(fresh) else None), done
+
+    def _place(self, fresh: Batch) -> None:
+        """Put freshly prefilled rows into the batch's free rows, then new ones (or make them the first
+        batch); each row is copied once, no other row moves."""
+        if self.batch is None:
+            fresh.grow(required_capacity(fresh.requests + list(self.waiting), self.ctx.k_max))
+            self.batch = fresh
+            return
+        self._room_for(fresh)
+        free = [i for i, r in enumerate(self.batch.requests) if r.finished][: len(fresh)]
+        extra = len(fresh) - len(free)
+        if extra:  # room for all that may join now
+            wanted = len(self.batch) + extra + len(self.waiting)
+            self.batch.reserve(min(self.batch_size, 1 << (wanted - 1).bit_length()))
+        self.batch.load(free + list(range(len(self.batch), len(self.batch) + extra)), fresh, self._starts(fresh))
 
     def _room_for(self, fresh: Batch) -> None:
         """Grow the batch's columns to what the newcomers need (a copy of the batch, only when it grows)."""
@@ -81,35 +138,31 @@ class ContinuousScheduler:
         longer than every running row). Returns the requests that finished at their first token."""
         ctx, done = self.ctx, []
         with ctx.timer.phase("prefill"):
+            store_finished(ctx, self.batch)  # prefix cache: finished (aborted) rows, before their rows are reused
+            if self.batch is not None and self.job is None and not self.running():
+                # no live row: the next batch is sized for the requests at hand (growing this one would zero and
+                # copy every row slot it reserved, for rows long gone: ~1 s per turn of a 2,000-token chat)
+                self.batch = None
+            chunked, done = self._chunk()
+            admitted = chunked is not None
+            if chunked is not None:
+                self._place(chunked)
+            budget = Budget(ctx.options.prefill_chunk)
             if self.batch is None:
-                if self.waiting:  # the first batch is sized for every request known now (no growth later)
+                if self.waiting and self._rows_free() > 0:  # the first batch is sized for every request known now
                     capacity = required_capacity(list(self.waiting), ctx.k_max)
-                    self.batch, done = self._prefill(self.batch_size, capacity)
+                    self.batch, finished = self._prefill(self._rows_free(), capacity, budget)
+                    done += finished
                 return done
-            free = [i for i, r in enumerate(self.batch.requests) if r.finished]
-            admitted = False
-            while free and self.waiting:  # newcomers take the free rows in place
-                fresh, finished = self._prefill(len(free))
+            while self.waiting and self._rows_free() > 0:  # newcomers take the free rows in place, then new rows
+                fresh, finished = self._prefill(self._rows_free(), budget=budget)
                 done += finished
                 if fresh is None:
                     break
-                self._room_for(fresh)
-                self.batch.load(free[: len(fresh)], fresh, self._starts(fresh))
-                free = free[len(fresh):]
+                self._place(fresh)
                 admitted = True
-            if free:
+            if any(r.finished for r in self.batch.requests):  # rows nobody took: the last rows move into them
                 self.batch.drop_finished()
-            if self.waiting and len(self.batch) < self.batch_size:  # room for all that may join now
-                wanted = len(self.batch) + len(self.waiting)
-                self.batch.reserve(min(self.batch_size, 1 << (wanted - 1).bit_length()))
-            while self.waiting and len(self.batch) < self.batch_size:
-                fresh, finished = self._prefill(self.batch_size - len(self.batch))
-                done += finished
-                if fresh is None:
-                    break
-                self._room_for(fresh)
-                self.batch.extend(fresh, self._starts(fresh))
-                admitted = True
         if admitted and self.layout == LEFT_PADDED and len(self.batch):
             with ctx.timer.phase("realign"):
                 self.batch.right_align()

@@ -26,6 +26,7 @@ import torch
 from ..batch import LEFT_PADDED, RAGGED, Batch, DecodeContext, required_capacity, row_params
 from ..commit import commit
 from ..options import positions_needed
+from ..prefill import Budget, ChunkedPrefill, store_finished, take_long, take_waiting
 from ..speculative import prefill
 
 # Settings (EngineOptions): `realign_cost_ratio`, one row's realignment time over a step's fixed cost
@@ -257,9 +258,17 @@ class PoolScheduler:
         # folded into the gather, a mixed batch's realignment costs nothing extra
         self.realign_ratio = 0.0 if options.fold_shift else options.realign_cost_ratio
         self.grouped = False
+        self.job: ChunkedPrefill | None = None  # a long prompt being prefilled a chunk per step
 
     def running(self) -> list:
         return [r for r in self.pool.rows if r is not None and not r.finished] if self.pool is not None else []
+
+    def queued(self) -> list:
+        """Requests without a slot yet: waiting, or being prefilled in chunks."""
+        return list(self.waiting) + (self.job.requests if self.job is not None else [])
+
+    def _reserved(self) -> int:
+        return len(self.job.requests) if self.job is not None else 0
 
     def rows_for(self, live: int) -> int:
         """Cache rows allocated while `live` requests are running or waiting: pool slots and the step buffer."""
@@ -270,27 +279,62 @@ class PoolScheduler:
         """An aborted request (already marked finished): leave the queue, or its slot is freed at `admit`."""
         if request in self.waiting:
             self.waiting.remove(request)
+        if self.job is not None and all(r.finished for r in self.job.requests):
+            self.job = None  # every request of the chunked prefill was aborted: its caches go
+
+    def _chunk(self, live: int) -> tuple[Batch | None, list]:
+        """Chunked prefill: start one for a long waiting prompt if none runs and the pool has room for it,
+        and feed one chunk. Returns its batch after the last chunk (None before, or if all finished at
+        their first token) and the requests that finished at their first token."""
+        if self.job is None:
+            group = take_long(self.ctx, self.waiting, self.limit - live)
+            if group:
+                self.job = ChunkedPrefill(self.ctx, group, self.ctx.options.prefill_chunk, RAGGED)
+        if self.job is None:
+            return None, []
+        out = self.job.advance()
+        if out is None:
+            return None, []
+        self.job = None
+        fresh, first = out
+        commit(self.ctx, fresh.requests, first)
+        done = fresh.drop_finished()
+        return (fresh if len(fresh) else None), done
 
     def admit(self) -> list:
         """Free the slots of finished (aborted) rows, grow the pool for the requests known (up to its
         limit), and prefill waiting requests into free slots. Returns those finished at their first token."""
         ctx, done = self.ctx, []
         if self.pool is not None:
-            for s, r in enumerate(self.pool.rows):
-                if r is not None and r.finished:
-                    self.pool.rows[s] = None
-        if not self.waiting:
+            finished = [s for s, r in enumerate(self.pool.rows) if r is not None and r.finished]
+            store_finished(ctx, self.pool.store, finished)  # prefix cache: before the slots are reused
+            for s in finished:
+                self.pool.rows[s] = None
+            if not self.pool.live_slots() and self.job is None:
+                self.pool = None  # no live row: the next pool is sized for the requests at hand (not grown)
+        if not self.waiting and self.job is None:
             return done
         with ctx.timer.phase("prefill"):
             live = len(self.pool.live_slots()) if self.pool is not None else 0
-            size = min(self.limit, live + len(self.waiting))
-            capacity = required_capacity(list(self.waiting), ctx.k_max)
+            chunked, done = self._chunk(live)
+            arriving = (chunked.requests if chunked is not None else []) + self.queued()
+            if not arriving:
+                return done
+            size = min(self.limit, live + len(arriving))
+            capacity = required_capacity(arriving, ctx.k_max)
             if self.pool is None:
                 self.pool = Pool(ctx, size, capacity, self.batch_size)
             self.pool.ensure(size, capacity)
             free = self.pool.free_slots()
+            if chunked is not None:
+                self.pool.load(free[: len(chunked)], chunked)
+                free = free[len(chunked):]
+            free = free[: max(0, len(free) - self._reserved())]  # the chunked prefill's slots stay free for it
+            budget = Budget(ctx.options.prefill_chunk)
             while free and self.waiting:
-                chunk = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
+                chunk = take_waiting(ctx, self.waiting, len(free), budget)
+                if not chunk:
+                    break
                 fresh, first = prefill(ctx, chunk, RAGGED, self.pool.capacity)
                 commit(ctx, fresh.requests, first)
                 done += fresh.drop_finished()
@@ -313,6 +357,7 @@ class PoolScheduler:
     def postprocess(self, batch: Batch) -> None:
         pool = self.pool
         pool.scatter(batch)
+        store_finished(self.ctx, pool.store, [s for s in pool.stepped if pool.rows[s].finished])
         self.ctx.metrics.grouped_steps += self.grouped
         stepped = set(pool.stepped)
         for s in pool.live_slots():

@@ -48,6 +48,23 @@ class EngineCollector:
         yield proposed
         yield accepted
         yield rate
+        yield CounterMetricFamily("specdec_prefill_chunks", "Prompt chunks prefilled while other rows decoded "
+                                  "(--prefill-chunk)", value=stats.get("prefill_chunks", 0))
+        cache = stats.get("prefix_cache")  # None without --prefix-cache-gb
+        if cache is not None:
+            for name, key, text in (
+                    ("specdec_prefix_cache_queried_tokens", "queried_tokens", "Prompt tokens looked up in the prefix "
+                     "cache (a prompt shared by n choices once)"),
+                    ("specdec_prefix_cache_hit_tokens", "hit_tokens", "Prompt tokens found in the prefix cache: "
+                     "copied in, not prefilled"),
+                    ("specdec_prefix_cache_evictions", "evictions", "Prefix cache entries (tree nodes) evicted to "
+                     "stay within the budget"),
+                    ("specdec_prefix_cache_evicted_tokens", "evicted_tokens", "Tokens of the evicted entries")):
+                yield CounterMetricFamily(name, text, value=cache[key])
+            yield GaugeMetricFamily("specdec_prefix_cache_bytes", "Bytes the prefix cache holds (K/V and features)",
+                                    value=cache["bytes"])
+            yield GaugeMetricFamily("specdec_prefix_cache_budget_bytes", "The prefix cache's budget "
+                                    "(--prefix-cache-gb)", value=cache["budget_bytes"])
         counts = stats["k_histogram"]  # k -> steps
         buckets, running = [], 0
         for k in range(max([self.k_max, *counts]) + 1):

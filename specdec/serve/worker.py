@@ -42,6 +42,7 @@ class EngineWorker:
     # ---------------------------------------------------------------------------------- event loop side
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self.engine.on_first_tokens = self._publish  # first tokens leave before the step's decoding run
         self._thread.start()
 
     def add(self, prompt_ids: list[int], params, prefix: str) -> tuple[str, list[asyncio.Queue]]:
@@ -112,7 +113,13 @@ class EngineWorker:
         return {"generated_tokens": m.generated_tokens, "proposed_drafts": m.proposed_drafts,
                 "accepted_drafts": m.accepted_drafts, "steps": m.steps, "acceptance_rate": m.acceptance_rate,
                 "k_histogram": dict(m.k_histogram),
-                "drafts_by_drafter": {name: tuple(tally) for name, tally in m.drafts_by_drafter.items()}}
+                "drafts_by_drafter": {name: tuple(tally) for name, tally in m.drafts_by_drafter.items()},
+                "prefill_chunks": getattr(m, "prefill_chunks", 0), "prefix_cache": self._prefix_stats()}
+
+    def _prefix_stats(self) -> dict | None:
+        """The prefix cache's counters and bytes (None without one)."""
+        store = getattr(getattr(self.engine, "llm", None), "prefix_cache", None)
+        return None if store is None else store.stats()
 
     def _run(self) -> None:
         failures = 0
@@ -134,15 +141,20 @@ class EngineWorker:
                     return
                 continue
             failures = 0
-            now = time.perf_counter()
-            stats = self._read_stats()
-            with self._lock:
-                self._stats = stats
-                targets = [(self._streams.pop((d.request_id, d.choice), None) if d.finished
-                            else self._streams.get((d.request_id, d.choice)), d) for d in deltas]
-            for queue, delta in targets:
-                if queue is not None:
-                    self._loop.call_soon_threadsafe(queue.put_nowait, (now, delta))
+            self._publish(deltas)
+
+    def _publish(self, deltas) -> None:
+        """Hand each delta to its request's queue (a step's, or its admissions' first tokens mid-step:
+        `Engine.on_first_tokens`), with the engine's counters as of now."""
+        now = time.perf_counter()
+        stats = self._read_stats()
+        with self._lock:
+            self._stats = stats
+            targets = [(self._streams.pop((d.request_id, d.choice), None) if d.finished
+                        else self._streams.get((d.request_id, d.choice)), d) for d in deltas]
+        for queue, delta in targets:
+            if queue is not None:
+                self._loop.call_soon_threadsafe(queue.put_nowait, (now, delta))
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:

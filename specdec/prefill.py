@@ -1,0 +1,269 @@
+"""Prefill with a prefix cache, and in chunks (docs/design.md, "Admitting a request").
+
+`PromptRows` holds the rows of distinct prompts being prefilled: a ragged target cache (and the draft's, and
+the target's hidden states for a feature draft), each row's prompt and how much of it each model holds.
+It begins with each prompt's cached prefix (`PrefixCache.fetch`: one slice copy per tree node and cache,
+never the whole prompt), and `feed` runs the rest through the target and the draft, all of it at once or
+at most `limit` tokens per row; the forward already takes a cache that holds a prefix (positions and
+columns come from each row's start and length). `finish` stores the prompts in the prefix cache, copies
+each prompt's row into the rows of the requests that asked for it (the n choices of one prompt share one
+prefill) and emits every request's first token.
+
+- `cached_prefill`: `speculative.prefill` with a prefix cache: every newcomer's prompt in one forward.
+- `ChunkedPrefill`: one prompt longer than the chunk (`LLM(prefill_chunk=...)`, `--prefill-chunk`), fed a chunk
+  per engine step while the running rows keep decoding; its requests join the batch after the last chunk,
+  which emits their first tokens.
+
+The draft: with a fixed k (or while auto k drafts) the draft is fed along with the target, chunk by chunk
+(a feature draft after the target, from the hidden states the target just produced); a non-feature draft
+then gives back its last prompt token (lag 2, batch.py). With auto k not drafting, the draft gets only the
+prefix the cache holds for it, and catches up later like any lagging draft. What the cache holds for the
+draft is only what the draft computed.
+"""
+from __future__ import annotations
+
+import torch
+
+from .batch import LEFT_PADDED, RAGGED, Batch, DecodeContext, row_params
+from .commit import StepOutput
+from .request import Request
+
+
+class PromptRows:
+    """Rows of distinct prompts in a ragged cache of `capacity` columns (at least what the feeding needs),
+    each beginning with its cached prefix."""
+
+    def __init__(self, ctx: DecodeContext, prompts: list[list[int]], capacity: int, run_draft: bool):
+        self.ctx = ctx
+        self.prompts = prompts
+        self.lengths = [len(p) for p in prompts]
+        self.run_draft = run_draft and ctx.draft is not None
+        store, device = ctx.prefix_cache, ctx.device
+        U = len(prompts)
+        # columns: a row's prefix plus the longest feed of any row (ragged padding is written past a row's end)
+        cached = [store.peek(p, ctx.feature_draft) if store is not None else (0, 0) for p in prompts]
+        C = max(capacity, max(self.lengths) + 1)
+        if U > 1:
+            for which in (0, 1) if self.run_draft else (0,):
+                starts = [c[which] for c in cached]
+                C = max(C, max(starts) + max(n - s for n, s in zip(self.lengths, starts)) + 1)
+        tokens = torch.zeros(U, C, dtype=torch.int64)  # [U, C]
+        for u, p in enumerate(prompts):
+            tokens[u, :len(p)] = torch.tensor(p)
+        target = ctx.new_cache(ctx.target, U, C, RAGGED)
+        draft = ctx.new_cache(ctx.draft, U, C, RAGGED) if ctx.draft is not None else None
+        features = None
+        if ctx.feature_draft:
+            features = torch.zeros(U, C, ctx.target.cfg.hidden_size, dtype=ctx.target.dtype, device=device)  # [U, C, E]
+        self.rows = Batch([None] * U, target, draft, tokens.to(device),
+                          torch.tensor(self.lengths, dtype=torch.int64, device=device), None, features)
+        self.done, self.draft_done = [0] * U, [0] * U  # tokens each model's row holds
+        if store is not None:
+            for u, p in enumerate(prompts):
+                self.done[u], self.draft_done[u] = store.fetch(p, target, u, draft, features)
+            ctx.metrics.prefix_hit_tokens += sum(self.done)
+            ctx.metrics.prefix_queried_tokens += sum(self.lengths)
+        self._set_lengths()
+
+    def _set_lengths(self) -> None:
+        device = self.ctx.device
+        self.rows.target_cache.set_rows(length=torch.tensor(self.done, dtype=torch.int64, device=device),
+                                        host_length=list(self.done))
+        if self.rows.draft_cache is not None:
+            self.rows.draft_cache.set_rows(length=torch.tensor(self.draft_done, dtype=torch.int64, device=device),
+                                           host_length=list(self.draft_done))
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens the target has yet to be fed (the most of any row)."""
+        return max(n - d for n, d in zip(self.lengths, self.done))
+
+    def _ids(self, starts: list[int], ends: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Each row's prompt tokens starts[u]..ends[u], right-padded: [U, T] on the device, and the counts."""
+        new = [e - s for s, e in zip(starts, ends)]
+        ids = torch.zeros(len(new), max(new), dtype=torch.int64)  # [U, T]
+        for u, (p, s, e) in enumerate(zip(self.prompts, starts, ends)):
+            ids[u, :e - s] = torch.tensor(p[s:e])
+        return ids.to(self.ctx.device), new
+
+    def feed(self, limit: int | None = None) -> torch.Tensor:
+        """Feed every row's next tokens (all the rest, or at most `limit`) through the target, and the draft
+        (when it runs) up to the same token. Returns the target's logits at each row's last fed token [U, V]."""
+        ctx, rows = self.ctx, self.rows
+        ends = [n if limit is None else min(n, d + limit) for n, d in zip(self.lengths, self.done)]
+        ids, new = self._ids(self.done, ends)
+        if min(new) < 1:
+            raise AssertionError(f"prefill: a row has nothing to feed ({new})")
+        if rows.features is not None:  # the target's hidden state at every fed position, kept per position
+            logits, hidden = ctx.target.forward(ids, rows.target_cache, num_new=new, logits="last", hidden="all")
+            for u, (d, n) in enumerate(zip(self.done, new)):
+                rows.features[u, d:d + n] = hidden[u, :n]
+        else:
+            logits = ctx.target.forward(ids, rows.target_cache, num_new=new, logits="last")
+        ctx.metrics.target_forwards += 1
+        self.done = ends
+        if self.run_draft and any(e > d for e, d in zip(ends, self.draft_done)):
+            starts = list(self.draft_done)  # a draft behind the target (less of it cached) catches up here
+            ids_d, new_d = self._ids(starts, ends)
+            draft_input = {}
+            if rows.features is not None:  # each token with the target's hidden state before it
+                j = torch.arange(ids_d.shape[1], device=ctx.device)  # [T]
+                positions = torch.tensor(starts, device=ctx.device)[:, None] + j  # [U, T]
+                draft_input["features"] = rows.features_before(positions)  # [U, T, E]
+            ctx.draft.forward(ids_d, rows.draft_cache, num_new=new_d, logits="last", **draft_input)
+            ctx.metrics.draft_forwards += 1
+            self.draft_done = list(ends)
+        return logits[:, -1, : ctx.vocab_size]  # [U, V]
+
+    def finish(self, logits, requests: list[Request], index: list[int], layout: str) -> tuple[Batch, StepOutput]:
+        """After the last feed (`logits` [U, V]): store the prompts in the prefix cache, give request i the
+        row of prompt index[i], emit every request's first token. Returns the batch (in `layout`) and
+        its first tokens, uncommitted."""
+        from .speculative import first_tokens
+
+        ctx, rows = self.ctx, self.rows
+        if rows.draft_cache is not None and self.run_draft and rows.features is None:
+            # the draft lags by two tokens (batch.py): the last prompt token is fed again next step
+            self.draft_done = [n - 1 for n in self.lengths]
+            self._set_lengths()
+        store = ctx.prefix_cache
+        if store is not None:
+            for u, p in enumerate(self.prompts):
+                store.store_row(p, rows.target_cache, u, rows.draft_cache, rows.features)
+        device = ctx.device
+        target, draft, tokens, features = rows.target_cache, rows.draft_cache, rows.tokens, rows.features
+        if index != list(range(len(self.prompts))):  # a prompt asked by several requests: copy its row
+            which = torch.tensor(index, dtype=torch.int64, device=device)  # [B]
+            target = target.select_rows(index)
+            draft = draft.select_rows(index) if draft is not None else None
+            tokens = tokens.index_select(0, which)
+            features = features.index_select(0, which) if features is not None else None
+            logits = logits.index_select(0, which)
+        lengths = [len(r.prompt_ids) for r in requests]
+        batch = Batch(list(requests), target, draft, tokens,
+                      torch.tensor(lengths, dtype=torch.int64, device=device), row_params(requests, device), features)
+        if layout == LEFT_PADDED:
+            batch.relayout(ctx, LEFT_PADDED)
+        return batch, first_tokens(ctx, batch, logits, lengths)
+
+
+def distinct_prompts(requests: list[Request]) -> tuple[list[list[int]], list[int]]:
+    """The distinct prompts of `requests`, in order, and each request's index into them."""
+    seen: dict[tuple, int] = {}
+    index = [seen.setdefault(tuple(r.prompt_ids), len(seen)) for r in requests]
+    return [list(p) for p in seen], index
+
+
+def cached_prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: int) -> tuple[Batch, StepOutput]:
+    """`speculative.prefill` with the prefix cache: each distinct prompt's cached prefix copied in, the rest
+    fed in one forward, the prompt's row copied to every request that asked for it."""
+    prompts, index = distinct_prompts(requests)
+    rows = PromptRows(ctx, prompts, capacity, ctx.prefill_draft)
+    logits = rows.feed()
+    return rows.finish(logits, requests, index, layout)
+
+
+def store_finished(ctx: DecodeContext, batch: Batch, rows=None) -> None:
+    """Prefix cache: store the K/V of each finished row's sequence (prompt and output) that was not stored
+    yet, before its row is reused (`rows`: the row indices to look at, default every row)."""
+    store = ctx.prefix_cache
+    if store is None or batch is None:
+        return
+    for i in range(len(batch.requests)) if rows is None else rows:
+        r = batch.requests[i]
+        if r is not None and r.finished and not r.prefix_stored:
+            r.prefix_stored = True
+            store.store_row(r.prompt_ids + r.output_ids, batch.target_cache, i, batch.draft_cache, batch.features)
+
+
+def uncached_tokens(ctx: DecodeContext, request: Request) -> int:
+    """The prompt tokens a prefill of `request` would feed (those the prefix cache does not hold)."""
+    store = ctx.prefix_cache
+    n = len(request.prompt_ids)
+    return n if store is None else n - store.peek(request.prompt_ids, ctx.feature_draft)[0]
+
+
+class Budget:
+    """The prompt tokens a step's admissions may still prefill (chunked prefill); None: no bound."""
+
+    def __init__(self, tokens: int | None):
+        self.left, self.spent = tokens, False
+
+    def take(self, tokens: int) -> bool:
+        """Whether `tokens` more fit (the first admission of a step always does); counts them if so."""
+        if self.left is None:
+            return True
+        if tokens > self.left and self.spent:
+            return False
+        self.left, self.spent = self.left - tokens, True
+        return True
+
+
+def take_waiting(ctx: DecodeContext, waiting, n: int, budget: Budget) -> list[Request]:
+    """Up to n waiting requests to prefill now, in arrival order, removed from `waiting` (a deque). With
+    chunked prefill: only those whose uncached prompt fits in a chunk (longer ones stay: a `ChunkedPrefill`
+    takes them), within the step's budget (a prompt shared with one already taken costs nothing)."""
+    chunk = ctx.options.prefill_chunk
+    if chunk is None:
+        return [waiting.popleft() for _ in range(min(n, len(waiting)))]
+    chosen, seen = [], set()
+    for r in list(waiting):
+        if len(chosen) >= n:
+            break
+        key = tuple(r.prompt_ids)
+        new = 0 if key in seen else uncached_tokens(ctx, r)
+        if new > chunk:
+            continue
+        if not budget.take(new):
+            break
+        chosen.append(r)
+        seen.add(key)
+    for r in chosen:
+        waiting.remove(r)
+    return chosen
+
+
+def take_long(ctx: DecodeContext, waiting, rows: int) -> list[Request]:
+    """The first waiting request whose uncached prompt is longer than a chunk, with the other choices of
+    its request (one prefill serves them), removed from `waiting` -- if they fit in `rows` free rows."""
+    chunk = ctx.options.prefill_chunk
+    if chunk is None:
+        return []
+    for r in waiting:
+        if uncached_tokens(ctx, r) > chunk:
+            group = [q for q in waiting if q.request_id == r.request_id and q.prompt_ids == r.prompt_ids]
+            if len(group) > rows:
+                return []
+            for q in group:
+                waiting.remove(q)
+            return group
+    return []
+
+
+class ChunkedPrefill:
+    """One prompt's prefill (for its requests: the n choices of one request share it), `chunk` tokens per
+    `advance`, so that the running rows decode between the chunks."""
+
+    def __init__(self, ctx: DecodeContext, requests: list[Request], chunk: int, layout: str, capacity: int = 0):
+        self.ctx, self.requests, self.chunk, self.layout = ctx, list(requests), chunk, layout
+        self.rows = PromptRows(ctx, [list(requests[0].prompt_ids)], capacity, ctx.prefill_draft)
+        self.chunks = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.rows.remaining
+
+    def advance(self) -> tuple[Batch, StepOutput] | None:
+        """Feed the next chunk; after the last one, the batch of the requests still live (possibly none)
+        and their first tokens (uncommitted). None while chunks remain."""
+        last = self.rows.remaining <= self.chunk
+        logits = self.rows.feed(self.chunk)
+        self.chunks += 1
+        self.ctx.metrics.prefill_chunks += 1
+        if not last:
+            return None
+        return self.rows.finish(logits, self.requests, [0] * len(self.requests), self.layout)
+
+
+__all__ = ["Budget", "ChunkedPrefill", "PromptRows", "cached_prefill", "distinct_prompts", "store_finished",
+           "take_long", "take_waiting", "uncached_tokens"]
