@@ -39,7 +39,7 @@ def free_port() -> int:
 
 
 def server_env(args) -> dict:
-    return dict(os.environ, OMP_NUM_THREADS=str(args.threads), OMP_WAIT_POLICY="PASSIVE")
+    return dict(os.environ, OMP_NUM_THREADS=str(args.threads))  # the wait policy: bench/__init__.py
 
 
 def specdec_command(port: int, *flags: str) -> list[str]:

@@ -56,6 +56,27 @@ def k_value(text: str):
         raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {text!r}") from None
 
 
+def threads_value(text: str) -> str:
+    """--threads: "auto" or an int >= 1 (as text: `openmp.apply_threads` reads it)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return str(positive_int(text))
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {text!r}") from None
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    """--threads, the process's torch CPU threads (not an LLM argument: torch's thread count is the process's)."""
+    p.add_argument("--threads", type=threads_value, default="auto", metavar="{auto,N}", help="torch CPU threads. "
+                   "auto (default): before the first request, a batch-1 decode step of the target is timed at 1, "
+                   "half and all of the cores (a few hundred ms) and the fastest count kept (more threads only if "
+                   "3%% faster), so a second thread never slows decoding as measured at start-up: on a quiet "
+                   "2-core machine two threads, with a core busy elsewhere one; N: exactly N. Idle threads spin "
+                   "briefly before they sleep (GOMP_SPINCOUNT=10000) unless the environment sets OMP_WAIT_POLICY "
+                   "or GOMP_SPINCOUNT (docs/api.md, \"CPU threads\")")
+
+
 def batch_invariant_value(text: str):
     """--batch-invariant's value: "auto", or on/off (true/false, yes/no, 1/0) -> True/False."""
     value = text.strip().lower()

@@ -7,9 +7,9 @@ checks the output against AR decoding.
 """
 from __future__ import annotations
 
-from specdec.openmp import default_to_passive_waits
+from specdec.openmp import apply_threads, default_wait_policy
 
-default_to_passive_waits()  # before anything imports torch
+default_wait_policy()  # before anything imports torch
 
 import argparse
 import contextlib
@@ -20,7 +20,7 @@ import sys
 import threading
 
 from .distributed import add_arguments as add_ray_arguments, wants_ray
-from .flags import Parser, add_engine_arguments, build_llm, checkpoint_pair, positive_int
+from .flags import Parser, add_engine_arguments, add_threads_argument, build_llm, checkpoint_pair, positive_int
 from .output import JsonlOutput, check_paths
 from .prompts import DEFAULT_PROMPTS, read_prompts
 from .summary import metrics_row, summary_table
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "GLM-4 checkpoints. Without --target/--draft it uses the embedded default pair.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_arguments(p)
+    add_threads_argument(p)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts", metavar="FILE", help="prompt file: .txt one prompt per line (\\n = newline, "
                    "# = comment), or .jsonl with a 'prompt' field or SpecBench-style 'turns'")
@@ -110,6 +111,7 @@ def run(args, sink: JsonlOutput | None = None) -> int:
     compare = default_pair if args.compare_ar is None else args.compare_ar
 
     llm = build_llm(args, device=device)
+    threads = apply_threads(args.threads, llm.target)
     if llm.tokenizer is None:
         raise ValueError(f"--target {target}: no tokenizer (tokenizer.model, tokenizer.json or GGUF tokenizer metadata), "
                          "cannot encode text prompts")
@@ -166,7 +168,7 @@ def run(args, sink: JsonlOutput | None = None) -> int:
     print(f"\n{plural(m.num_requests, 'request')}, {plural(m.generated_tokens, 'token')} in {m.wall_time_s:.2f} s"
           f"{setup}; "
           f"target forwards {m.target_forwards}, draft forwards {m.draft_forwards}; dtype {args.dtype}, "
-          f"device {device_summary(llm.device, args.device)}, torch threads {torch.get_num_threads()}")
+          f"device {device_summary(llm.device, args.device)}, {threads}")
     if args.check_weights:
         seconds = sum(getattr(model, "weights_check_s", None) or 0.0 for model in (llm.target, llm.draft))
         print(f"Weights checked finite (no NaN/inf) in {seconds:.2f} s")

@@ -2,16 +2,16 @@
 decoding. Without --target/--draft it serves the embedded default pair. docs/serve.md has the details."""
 from __future__ import annotations
 
-from specdec.openmp import default_to_passive_waits
+from specdec.openmp import apply_threads, default_wait_policy
 
-default_to_passive_waits()  # before anything imports torch
+default_wait_policy()  # before anything imports torch
 
 import argparse
 import logging
 import os
 import sys
 
-from specdec.flags import Parser, add_engine_arguments, build_llm, checkpoint_pair, port_number, positive_int
+from specdec.flags import Parser, add_engine_arguments, add_threads_argument, build_llm, checkpoint_pair, port_number, positive_int
 
 DEFAULT_MODEL_NAME = "default"  # the embedded pair's name, when --served-model-name is not given
 
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     add_engine_arguments(p, batch_help="the most requests decoding at once (batch rows); more wait for a row, up "
                          "to --max-waiting")
+    add_threads_argument(p)
     return p
 
 
@@ -87,6 +88,7 @@ def main(argv=None) -> int:
             raise ValueError("--target has no tokenizer (tokenizer.model or tokenizer.json); the server needs one")
         if args.chat_template:
             set_chat_template(llm.tokenizer, args.chat_template)
+        print(f"specdec.serve: {apply_threads(args.threads, llm.target)}", file=sys.stderr, flush=True)
         engine = llm.engine()
         # one request per row, so auto k calibrates the full batch before the first client arrives
         warm_up(engine, llm.tokenizer.encode("def main():"), SamplingParams(max_tokens=4, temperature=0.0),

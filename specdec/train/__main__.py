@@ -1,9 +1,9 @@
 """`python -m specdec.train {small,feature}`: train a draft for a target. See docs/train.md and --help."""
 from __future__ import annotations
 
-from specdec.openmp import default_to_passive_waits
+from specdec.openmp import default_wait_policy
 
-default_to_passive_waits()  # before anything imports torch
+default_wait_policy()  # before anything imports torch
 
 import argparse
 import os
