@@ -56,6 +56,7 @@ COST_MODEL_VERSION = 3  # in the cache key: tables of an older grid are measured
 CATCH_UP_TOKENS = 64  # the draft is also timed at this many tokens per row (capped by the context): a catch-up
 EXPLORE_ACCEPTANCE = 0.8  # exploring is worth it only where a draft accepting this often would pay
 SCALE_WINDOW = 9  # steps in the robust (median) estimate of measured over predicted step time
+ZERO_SAMPLES = 3  # k = 0 steps timed before its scale is trusted (a median of one is the first step's outlier)
 SPOT_CHECK_FACTOR = 1.5  # a cached cost table is measured again when a spot check is off by more than this
 
 
@@ -271,7 +272,7 @@ class KChooser:
         self.scale: dict[tuple[int, bool], float] = {}  # (B, k > 0) -> median of the recent measured / forwards
         self.scale_samples: dict[tuple[int, bool], deque] = {}
         self.zero_streak = 0
-        self.zero_measured = False  # a k = 0 step's wall time has been observed (its scale is its own)
+        self.zero_timed = 0  # k = 0 steps whose wall time has been observed (ZERO_SAMPLES: its scale is its own)
         self.drafted_since_zero = 0  # steps observed at k > 0 since the last k = 0 step
         self.last = (0, 0, 2, 0.0)  # the last choice: (B, k, first draft tokens, predicted seconds)
         self.key: str | None = None  # the cost cache entry `costs` came from
@@ -410,12 +411,14 @@ class KChooser:
         return k
 
     def measures_zero(self) -> bool:
-        """Whether a step that would draft takes k = 0 instead, to measure it: after the first drafting step
-        while no k = 0 step has been timed (k = 0 then borrows the drafting steps' scale, so a table that
+        """Whether a step that would draft takes k = 0 instead, to measure it: after each drafting step while
+        fewer than ZERO_SAMPLES k = 0 steps have been timed, then after `explore_every` drafting steps in a
+        row (the mirror of exploration). Unmeasured, k = 0 borrows the drafting steps' scale, so a table that
         underprices a verify -- one noisy calibration forward on a shared machine -- kept a batch of 32
-        drafting at 0.57x AR, its k = 0 never measured), then after `explore_every` drafting steps in a row
-        (the mirror of exploration). A k = 0 step costs what an AR step costs."""
-        return self.drafted_since_zero >= (self.explore_every if self.zero_measured else 1)
+        drafting at 0.57x AR; measured once, the first decoding step's outlier (0.8-0.9 s against 0.19 s
+        after it, SmolLM2 at batch 32) made k = 0 look 8x dearer for the rest of the run (0.71x AR). A k = 0
+        step costs what an AR step costs."""
+        return self.drafted_since_zero >= (self.explore_every if self.zero_timed >= ZERO_SAMPLES else 1)
 
     def observe(self, seconds: float) -> float:
         """The last chosen step's measured wall time refines the cost model's scale (`_scale`). Returns the
@@ -424,7 +427,7 @@ class KChooser:
         if k:
             self.drafted_since_zero += 1
         else:
-            self.zero_measured, self.drafted_since_zero = True, 0
+            self.zero_timed, self.drafted_since_zero = self.zero_timed + 1, 0
         samples = self.scale_samples.setdefault((B, k > 0), deque(maxlen=SCALE_WINDOW))
         samples.append(seconds / max(self.costs.forwards_time(B, k, first_draft_tokens), 1e-9))
         self.scale[(B, k > 0)] = statistics.median(samples)
@@ -446,8 +449,7 @@ class KChooser:
         pooled acceptance, the last choice), so that two engines on one LLM never see each other's steps.
         A subclass (a test's scripted chooser) is copied whole."""
         chooser = copy.deepcopy(self)
-        chooser.zero_streak = chooser.drafted_since_zero = 0
-        chooser.zero_measured = False
+        chooser.zero_streak = chooser.drafted_since_zero = chooser.zero_timed = 0
         chooser.last = (0, 0, 2, 0.0)  # not drafting: the first prefill leaves the draft for the chooser
         return chooser
 

@@ -8,6 +8,7 @@ import pytest
 from choosers import SCRIPT, ScriptedChooser, linear_costs
 from specdec import LLM, SamplingParams
 from specdec.batch import Batch
+from specdec import autok
 from specdec.request import Request
 from specdec.autok import (CostTable, KChooser, agrees, cache_key, calibrate, forward_variant, load_costs, monotone,
                            save_costs)
@@ -427,3 +428,26 @@ def test_a_table_that_underprices_a_verify_does_not_keep_a_large_batch_drafting(
         ks.append(k)
     assert ks[0] >= 1 and ks[1] == 0, ks[:5]  # it drafted, then measured k = 0
     assert sum(k > 0 for k in ks) <= 4 and not any(ks[10:]), ks
+
+
+def test_a_slow_first_step_does_not_keep_a_large_batch_drafting():
+    """Issue 41, measured: the first decoding step of a batch-32 run took 0.8-0.9 s, the rest 0.19 s (AR) and
+    0.30 s (a verify of 2 tokens a row); timed once, that one k = 0 step made k = 0 look 8x dearer than its
+    table for the rest of the run, which drafted k = 1 at 44% acceptance (0.71x AR). Now k = 0's scale needs
+    ZERO_SAMPLES timed steps: the chooser measures k = 0 again after drafting until it has them, and settles."""
+    table = CostTable({32: 0.103, 64: 0.160, 96: 0.296}, {})
+    chooser = KChooser(8, table)
+    batch = FakeBatch([200] * 32, [0] * 32, [500] * 32)
+    batch.draft_cache = None  # a lookup
+    ks = []
+    for step in range(60):  # the run's offers: 7 rows at its first step, then 24 (a suffix store's matches)
+        offers = [8] * 7 + [0] * 25 if step == 0 else [8] * 24 + [0] * 8
+        k = chooser.choose(batch, offers=offers)
+        width = chooser.last[1]
+        chooser.observe(0.85 if step == 0 else {0: 0.19, 1: 0.30}.get(width, 0.30 + 0.1 * width))
+        if k:  # 44% acceptance: 14 rows accept their first draft, the rest none
+            chooser.record_acceptance(batch.requests, [min(k, o) for o in offers], [1] * 14 + [0] * 18)
+        ks.append(k)
+    assert ks[0] == 0 and ks[1] >= 1, ks[:4]  # the slow first step was a k = 0 step; then it explored
+    assert not any(ks[15:]), ks  # settled at k = 0 (it drafted k = 1 in 59 of 60 steps)
+    assert chooser.zero_timed >= autok.ZERO_SAMPLES
