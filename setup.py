@@ -45,7 +45,7 @@ setup(
         "train": ["transformers>=4.51", "protobuf", "matplotlib"],
         # the CPU peer of bench/quantized.py (llama.cpp): a ~12-minute source build; build the wheel once with the
         # flags docs/benchmarks/quantized.md gives (native flags and OpenMP crash here) and install it from the cache
-        "llamacpp": ["llama-cpp-python==0.3.36", "diskcache"],
+        "llamacpp": ["llama-cpp-python[server]==0.3.36", "diskcache"],  # [server]: bench/serve.py chat and mixed
         # GGUF files (load_model / load_tokenizer on a .gguf, python -m specdec.convert): the gguf reader's
         # dequantizers; jinja2 renders the chat template the file carries
         "gguf": ["gguf>=0.10", "jinja2"],
