@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from .batch import LEFT_PADDED, RAGGED, Batch, DecodeContext, row_params
-from .commit import StepOutput
+from .batch import LEFT_PADDED, RAGGED, Batch, DecodeContext, finite_rows, row_params
+from .commit import StepOutput, commit
+from .logprobs import StepLogprobs, read_back
 from .request import Request
+from .sampling import choose_tokens
 
 
 class PromptRows:
@@ -119,8 +121,6 @@ class PromptRows:
         """After the last feed (`logits` [U, V]): store the prompts in the prefix cache, give request i the
         row of prompt index[i], emit every request's first token. Returns the batch (in `layout`) and
         its first tokens, uncommitted."""
-        from .speculative import first_tokens
-
         ctx, rows = self.ctx, self.rows
         if rows.draft_cache is not None and self.run_draft and rows.features is None:
             # the draft lags by two tokens (batch.py): the last prompt token is fed again next step
@@ -240,6 +240,27 @@ def take_long(ctx: DecodeContext, waiting, rows: int) -> list[Request]:
     return []
 
 
+def advance_chunked(ctx: DecodeContext, job: "ChunkedPrefill | None", waiting, rows: int,
+                    layout: str) -> tuple["ChunkedPrefill | None", Batch | None, list]:
+    """One engine step of chunked prefill: start `job` for a long waiting prompt if none runs and `rows`
+    rows are free for its requests, and feed one chunk. Returns (the job still running, or None; its batch
+    after its last chunk, its first tokens committed -- None before, or if all finished at their first
+    token; the requests that did)."""
+    if job is None:
+        group = take_long(ctx, waiting, rows)
+        if group:
+            job = ChunkedPrefill(ctx, group, ctx.options.prefill_chunk, layout)
+    if job is None:
+        return None, None, []
+    out = job.advance()
+    if out is None:
+        return job, None, []
+    fresh, first = out
+    commit(ctx, fresh.requests, first)
+    done = fresh.drop_finished()
+    return None, (fresh if len(fresh) else None), done
+
+
 class ChunkedPrefill:
     """One prompt's prefill (for its requests: the n choices of one request share it), `chunk` tokens per
     `advance`, so that the running rows decode between the chunks."""
@@ -267,3 +288,16 @@ class ChunkedPrefill:
 
 __all__ = ["Budget", "ChunkedPrefill", "PromptRows", "cached_prefill", "distinct_prompts", "store_finished",
            "take_long", "take_waiting", "uncached_tokens"]
+
+
+def first_tokens(ctx: DecodeContext, batch: Batch, logits, lengths: list[int]) -> StepOutput:
+    """Each row's first token from the prefill's last logits [B, V] (appended to the batch's sequences),
+    read back with the one sync of a prefill; uncommitted."""
+    first = choose_tokens(logits, batch.params, ctx.probs_dtype, batch.seq_len, lengths, ctx.kernel_backend)  # [B]
+    batch.append(first[:, None], torch.ones_like(first))
+    logprobs = StepLogprobs.of(logits, batch.params, ctx.probs_dtype)  # None unless some row asks
+    readback, values = read_back(torch.stack([first, finite_rows(logits).to(torch.int64)], dim=1), logprobs,
+                                 first)  # the one sync
+    tokens = [[token] for token, _ in readback]
+    return StepOutput(tokens, [bool(f) for _, f in readback], "prefill",
+                      logprobs=logprobs.parse(values, tokens, batch.params.host_logprobs) if logprobs else None)

@@ -23,6 +23,7 @@ from specdec.kernels.rejection import random_slot, rejection_sample
 from .batch import LEFT_PADDED, Batch, DecodeContext, finite_rows, row_params
 from .commit import StepOutput
 from .logprobs import StepLogprobs, read_back
+from .prefill import cached_prefill, first_tokens
 from .proposers import Proposal
 from .request import Request
 from .sampling import choose_tokens, draw_step_noise, sample_race
@@ -33,8 +34,6 @@ def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: 
     the batch and its first tokens, uncommitted (the caller commits them: specdec/commit.py). With a prefix
     cache, each prompt's cached prefix is copied in and only the rest is fed (specdec/prefill.py)."""
     if ctx.prefix_cache is not None:
-        from .prefill import cached_prefill
-
         return cached_prefill(ctx, requests, layout, capacity)
     device = ctx.device
     lengths = [len(r.prompt_ids) for r in requests]
@@ -83,19 +82,6 @@ def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: 
             batch.draft_cache.set_rows(length=batch.draft_cache.length - 1, host_length=[n - 1 for n in lengths])
     # else deferred: an empty draft cache, the whole sequence is its lag
     return batch, first_tokens(ctx, batch, logits, lengths)
-
-
-def first_tokens(ctx: DecodeContext, batch: Batch, logits, lengths: list[int]) -> StepOutput:
-    """Each row's first token from the prefill's last logits [B, V] (appended to the batch's sequences),
-    read back with the one sync of a prefill; uncommitted."""
-    first = choose_tokens(logits, batch.params, ctx.probs_dtype, batch.seq_len, lengths, ctx.kernel_backend)  # [B]
-    batch.append(first[:, None], torch.ones_like(first))
-    logprobs = StepLogprobs.of(logits, batch.params, ctx.probs_dtype)  # None unless some row asks
-    readback, values = read_back(torch.stack([first, finite_rows(logits).to(torch.int64)], dim=1), logprobs,
-                                 first)  # the one sync
-    tokens = [[token] for token, _ in readback]
-    return StepOutput(tokens, [bool(f) for _, f in readback], "prefill",
-                      logprobs=logprobs.parse(values, tokens, batch.params.host_logprobs) if logprobs else None)
 
 
 def verify(ctx: DecodeContext, batch: Batch, draft_ids):

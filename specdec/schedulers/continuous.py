@@ -26,7 +26,7 @@ from collections import deque
 
 from ..batch import LEFT_PADDED, Batch, DecodeContext, required_capacity
 from ..commit import commit
-from ..prefill import Budget, ChunkedPrefill, store_finished, take_long, take_waiting
+from ..prefill import Budget, ChunkedPrefill, advance_chunked, store_finished, take_waiting
 from ..speculative import prefill
 
 
@@ -88,20 +88,8 @@ class ContinuousScheduler:
         """Chunked prefill: start one for a long waiting prompt if none runs and rows are free for it, and
         feed one chunk. Returns its batch after its last chunk (None before, or if all finished at their
         first token) and the requests that did."""
-        if self.job is None:
-            group = take_long(self.ctx, self.waiting, self._rows_free())
-            if group:
-                self.job = ChunkedPrefill(self.ctx, group, self.ctx.options.prefill_chunk, self.layout)
-        if self.job is None:
-            return None, []
-        out = self.job.advance()
-        if out is None:
-            return None, []
-        self.job = None
-        fresh, first = out
-        commit(self.ctx, fresh.requests, first)
-        done = fresh.drop_finished()
-        return (fresh if len(fresh) else None), done
+        self.job, fresh, done = advance_chunked(self.ctx, self.job, self.waiting, self._rows_free(), self.layout)
+        return fresh, done
 
     def _place(self, fresh: Batch) -> None:
         """Put freshly prefilled rows into the batch's free rows, then new ones (or make them the first

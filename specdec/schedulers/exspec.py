@@ -26,7 +26,7 @@ import torch
 from ..batch import LEFT_PADDED, RAGGED, Batch, DecodeContext, required_capacity, row_params
 from ..commit import commit
 from ..options import positions_needed
-from ..prefill import Budget, ChunkedPrefill, store_finished, take_long, take_waiting
+from ..prefill import Budget, ChunkedPrefill, advance_chunked, store_finished, take_waiting
 from ..speculative import prefill
 
 # Settings (EngineOptions): `realign_cost_ratio`, one row's realignment time over a step's fixed cost
@@ -286,20 +286,8 @@ class PoolScheduler:
         """Chunked prefill: start one for a long waiting prompt if none runs and the pool has room for it,
         and feed one chunk. Returns its batch after the last chunk (None before, or if all finished at
         their first token) and the requests that finished at their first token."""
-        if self.job is None:
-            group = take_long(self.ctx, self.waiting, self.limit - live)
-            if group:
-                self.job = ChunkedPrefill(self.ctx, group, self.ctx.options.prefill_chunk, RAGGED)
-        if self.job is None:
-            return None, []
-        out = self.job.advance()
-        if out is None:
-            return None, []
-        self.job = None
-        fresh, first = out
-        commit(self.ctx, fresh.requests, first)
-        done = fresh.drop_finished()
-        return (fresh if len(fresh) else None), done
+        self.job, fresh, done = advance_chunked(self.ctx, self.job, self.waiting, self.limit - live, RAGGED)
+        return fresh, done
 
     def admit(self) -> list:
         """Free the slots of finished (aborted) rows, grow the pool for the requests known (up to its
