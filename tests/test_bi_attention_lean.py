@@ -249,3 +249,24 @@ def test_plans_taking_turns_on_one_workspace_keep_their_bits():
             for buffer in workspace.buffers.values():
                 buffer.fill_(float("nan"))
             workspace.owner = object()
+
+
+def test_prefill_sized_calls_fold_the_chunks_in_the_oracles_bits():
+    """Calls with many query rows (a prefill after a cached prefix, a chunk of a chunked prefill, a whole
+    prompt) add the chunks' outputs by a left fold in double (`last_prefix_sum`) instead of a cumsum that
+    writes every prefix: the same bits as the oracle's cumsum, every dtype, every layout."""
+    g, gen = random.Random(43), torch.Generator().manual_seed(43)
+    workspace = ba.Workspace()
+    for dtype in DTYPES:
+        for B, T, W, layout, group in ((1, 200, 2000, "ragged", GROUPS[0]), (1, 64, 64, "prefill", GROUPS[1]),
+                                       (2, 40, 300, "left", GROUPS[4]), (3, 33, 500, "shifted", GROUPS[0])):
+            H, Hkv, _ = group
+            assert ba.folds("cpu", torch.float64 if dtype == torch.float64 else torch.float32,
+                            padded_rows(T * H // Hkv))  # the call takes the fold
+            check_case(g, gen, dtype, B, T, W, layout, group, pair=True, layers=1, workspace=workspace)
+    parts = torch.randn(2, 3, 17, 70, 8, generator=gen) * 1e3  # [B, H_kv, NC, Rp, D]
+    for dtype in (torch.float32, torch.float64):
+        x = parts.to(dtype)
+        out = torch.empty(2, 3, 70, 8, dtype=dtype)
+        ba.last_prefix_sum(x, torch.empty(2, 3, 70, 8, dtype=torch.float64), out)
+        assert torch.equal(bits(out), bits(x.cumsum(dim=2)[:, :, -1]))
