@@ -23,7 +23,9 @@ at all (left padding in a prefill: it only sees its own column, left of the row'
   multiple of 4 (`bi_matmul.padded_rows`) and K^T as a transposed view (a batch of one matrix padded to two):
   measured invariant on this CPU, like bi_matmul's paths; the row maximum is exact in any order; `exp` is
   torch's vectorised one (the same per element wherever it sits); each chunk's sum has the fixed length CHUNK;
-  chunks are added in order by `cumsum` (a sequential scan). Computed in float32 (float64 for float64). The
+  chunks are added in order by `cumsum` (a sequential scan; for calls of 64+ query rows, a prefill's, the
+  same additions as a left fold in double, `last_prefix_sum`: cumsum's own bits without writing every
+  prefix). Computed in float32 (float64 for float64). The
   two batched matmuls are MKL's, which picks kernels by CPU and shape, so as with `bi_matmul` the first call
   per (dtype, thread count, D, chunk) measures whether a (matrix, row) keeps its bits alone and in calls of
   up to 128 matrices and 200 rows (`bmm_keeps_rows`; larger ones are split, `bounded_bmm`), and where it does
