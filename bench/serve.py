@@ -474,6 +474,17 @@ def start_servers(names: list[str], args) -> tuple[dict, dict]:
     return procs, bases
 
 
+def write_results(out: str, name: str, meta: dict, rows: list[dict], report) -> None:
+    """A run's end: the load average after it in `meta`, NAME.jsonl (meta, then the rows), the table
+    `report(meta, rows)` printed and written to NAME.md."""
+    meta["loadavg_after"] = list(os.getloadavg())
+    write_jsonl(os.path.join(out, f"{name}.jsonl"), [meta, *rows])
+    table = report(meta, rows)
+    print(table)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(table)
+
+
 def chat_main(args) -> None:
     """`chat`: per repeat, a 10-turn conversation on every server, interleaved turn by turn (`chat_sessions`;
     only the server answering works, the others are idle); each repeat with other questions, so that no
@@ -507,12 +518,7 @@ def chat_main(args) -> None:
     finally:
         for proc in procs.values():
             stop(proc)
-    meta["loadavg_after"] = list(os.getloadavg())
-    write_jsonl(os.path.join(args.out, "chat.jsonl"), [meta, *rows])
-    table = chat_report(meta, rows)
-    print(table)
-    with open(os.path.join(args.out, "chat.md"), "w") as f:
-        f.write(table)
+    write_results(args.out, "chat", meta, rows, chat_report)
 
 
 def chat_report(meta: dict, rows: list[dict]) -> str:
@@ -629,12 +635,7 @@ def mixed_main(args) -> None:
                 stop(procs[name])
             rows.append(row)
             print(json.dumps(row), flush=True)
-    meta["loadavg_after"] = list(os.getloadavg())
-    write_jsonl(os.path.join(args.out, "mixed.jsonl"), [meta, *rows])
-    table = mixed_report(meta, rows)
-    print(table)
-    with open(os.path.join(args.out, "mixed.md"), "w") as f:
-        f.write(table)
+    write_results(args.out, "mixed", meta, rows, mixed_report)
 
 
 def mixed_report(meta: dict, rows: list[dict]) -> str:

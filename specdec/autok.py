@@ -27,10 +27,10 @@
   k = 0, one step with the best k >= 1 measures the acceptance (new requests would otherwise never be
   measured) -- but only where a good draft (acceptance EXPLORE_ACCEPTANCE) could pay back the catch-up
   over the tokens left: where even a good draft cannot win (a large batch on a compute-bound target), the
-  run costs exactly what AR costs, the draft never runs. And the mirror image (`measures_zero`): after the
-  first drafting step while no k = 0 step has been timed, then after `explore_every` drafting steps in a
-  row, one step takes k = 0 to measure what it costs (unmeasured, it borrows the drafting steps' scale,
-  and a table that underprices a verify would keep a large batch drafting for good).
+  run costs exactly what AR costs, the draft never runs. And the mirror image (`measures_zero`): after each
+  drafting step while fewer than ZERO_SAMPLES k = 0 steps have been timed, then after `explore_every`
+  drafting steps in a row, one step takes k = 0 to measure what it costs (unmeasured, it borrows the
+  drafting steps' scale, and a table that underprices a verify would keep a large batch drafting for good).
 
 Everything the chooser reads is on the host (lengths, accepted counts already read back, wall times):
 it adds no synchronisation.

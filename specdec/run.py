@@ -90,8 +90,6 @@ def check_seed_range(seed: int | None, prompts: int) -> None:
 
 def run(args, sink: JsonlOutput | None = None) -> int:
     """One CLI run; `sink` (opened by `main` before anything is loaded) receives the --output lines."""
-    import torch
-
     from specdec import SamplingParams
 
     from .devices import resolve_device

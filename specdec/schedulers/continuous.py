@@ -84,13 +84,6 @@ class ContinuousScheduler:
                 return fresh, done
         return None, done
 
-    def _chunk(self) -> tuple[Batch | None, list]:
-        """Chunked prefill: start one for a long waiting prompt if none runs and rows are free for it, and
-        feed one chunk. Returns its batch after its last chunk (None before, or if all finished at their
-        first token) and the requests that did."""
-        self.job, fresh, done = advance_chunked(self.ctx, self.job, self.waiting, self._rows_free(), self.layout)
-        return fresh, done
-
     def _place(self, fresh: Batch) -> None:
         """Put freshly prefilled rows into the batch's free rows, then new ones (or make them the first
         batch); each row is copied once, no other row moves."""
@@ -131,7 +124,8 @@ class ContinuousScheduler:
                 # no live row: the next batch is sized for the requests at hand (growing this one would zero and
                 # copy every row slot it reserved, for rows long gone: ~1 s per turn of a 2,000-token chat)
                 self.batch = None
-            chunked, done = self._chunk()
+            # chunked prefill: a long waiting prompt started if rows are free for it, one chunk fed
+            self.job, chunked, done = advance_chunked(ctx, self.job, self.waiting, self._rows_free(), self.layout)
             admitted = chunked is not None
             if chunked is not None:
                 self._place(chunked)

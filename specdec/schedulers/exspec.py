@@ -282,13 +282,6 @@ class PoolScheduler:
         if self.job is not None and all(r.finished for r in self.job.requests):
             self.job = None  # every request of the chunked prefill was aborted: its caches go
 
-    def _chunk(self, live: int) -> tuple[Batch | None, list]:
-        """Chunked prefill: start one for a long waiting prompt if none runs and the pool has room for it,
-        and feed one chunk. Returns its batch after the last chunk (None before, or if all finished at
-        their first token) and the requests that finished at their first token."""
-        self.job, fresh, done = advance_chunked(self.ctx, self.job, self.waiting, self.limit - live, RAGGED)
-        return fresh, done
-
     def admit(self) -> list:
         """Free the slots of finished (aborted) rows, grow the pool for the requests known (up to its
         limit), and prefill waiting requests into free slots. Returns those finished at their first token."""
@@ -304,7 +297,8 @@ class PoolScheduler:
             return done
         with ctx.timer.phase("prefill"):
             live = len(self.pool.live_slots()) if self.pool is not None else 0
-            chunked, done = self._chunk(live)
+            # chunked prefill: a long waiting prompt started if the pool has room for it, one chunk fed
+            self.job, chunked, done = advance_chunked(ctx, self.job, self.waiting, self.limit - live, RAGGED)
             arriving = (chunked.requests if chunked is not None else []) + self.queued()
             if not arriving:
                 return done

@@ -11,7 +11,8 @@ import logging
 import os
 import sys
 
-from specdec.flags import Parser, add_engine_arguments, add_threads_argument, build_llm, checkpoint_pair, port_number, positive_int
+from specdec.flags import (Parser, add_engine_arguments, add_threads_argument, build_llm, checkpoint_pair, port_number,
+                           positive_int)
 
 DEFAULT_MODEL_NAME = "default"  # the embedded pair's name, when --served-model-name is not given
 
