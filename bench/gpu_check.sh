@@ -24,7 +24,7 @@
 #                           microbenchmarks (pytest-benchmark JSON; GB/s etc. in each "extra_info")
 #   bench_summary.md        realign GB/s vs torch copy, in place vs ping-pong; rejection times
 #   throughput.log + files  python -m bench.throughput --device cuda --dtype bfloat16 --quick --out RESULTS_DIR
-#   throughput_compiled.log the same with --compile (CUDA graphs, "reduce-overhead"), into RESULTS_DIR/compiled
+#   throughput_compiled.log the same with --compile (inductor kernels; CUDA graphs are --cuda-graphs'), into RESULTS_DIR/compiled
 # bi:
 #   bi_kernel_tests.log/.xml  tests/test_bi_kernels.py (its slow sm_90 compile test included), tests/test_quant_kernel.py
 #   bench_bi_linear.json, bench_bi_attention.json (+ RMSNorm), bench_quant_matmul.json (+ .log each)

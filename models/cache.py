@@ -45,6 +45,7 @@ class KVCache:
         self.host_start = _as_host(start if host_start is None else host_start)
         self.host_length = _as_host(length if host_length is None else host_length)
         self.backend: str | None = None  # kernel backend of `plan` (None: $SPECDEC_KERNELS / auto)
+        self.owner: KVCache | None = None  # the cache whose storage this one is a view of (`gather_rows`)
 
     @classmethod
     def allocate(cls, num_layers, batch_size, num_kv_heads, capacity, head_dim, dtype, device, layout=RAGGED):
@@ -165,6 +166,9 @@ class KVCache:
         return self._kv_all.shape[2]
 
     def _use(self, kv_all, rows: int) -> None:
+        if kv_all is not getattr(self, "_kv_all", None):
+            # models/graphs.py: the CUDA graphs captured on this storage (and their pool), released with it
+            self.graphs: dict = {}
         self._kv_all = kv_all  # [L, 2, R, H_kv, C, D] storage
         self.kv = kv_all[:, :, :rows]  # [L, 2, B, H_kv, C, D] view: the rows in use
         self.k, self.v = self.kv[:, 0], self.kv[:, 1]  # [L, B, H_kv, C, D] views
@@ -255,6 +259,7 @@ class KVCache:
         cache = KVCache(kv, torch.tensor(offsets, dtype=torch.int64, device=self.k.device),
                         self._length.index_select(0, index), LEFT_PADDED, offsets, lengths)
         cache.backend = self.backend
+        cache.owner = buffer.owner if buffer.owner is not None else buffer  # its graphs are the buffer's
         return cache
 
     def scatter_rows(self, rows: list[int], batch: "KVCache", firsts: list[int]) -> None:

@@ -371,8 +371,11 @@ class Transformer(nn.Module):
 
     def new_cache(self, batch_size: int, capacity: int, layout: str = RAGGED) -> KVCache:
         cfg = self.cfg
-        return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, capacity, cfg.head_dim,
-                                self.dtype, self.device, layout)
+        cache = KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, capacity, cfg.head_dim,
+                                 self.dtype, self.device, layout)
+        if self.graph_runner is not None:  # storage rows for its graphs' bucket (models/graphs.py)
+            self.graph_runner.reserve(cache)
+        return cache
 
     @torch.no_grad()
     def forward(self, input_ids, cache: KVCache, num_new=None, logits: str = "all", features=None,
@@ -489,18 +492,19 @@ class Transformer(nn.Module):
         return logits, (h if hidden == "all" else out)
 
     def use_graphs(self, on: bool = True, capture: bool | None = None) -> "Transformer":
-        """Run plain steps (every row T real tokens) through CUDA graphs captured per rows bucket and T
-        (models/graphs.py); `capture` False runs the graphs' static-buffer path eagerly (CPU tests)."""
+        """Run plain steps (every row T real tokens) through CUDA graphs captured per rows bucket, T and width
+        (models/graphs.py); `capture`: the graph API (default torch.cuda on CUDA; a CPU stand-in in tests), False
+        runs the graphs' static-buffer path eagerly."""
         from .graphs import GraphRunner
 
         self.graph_runner = GraphRunner(self, capture=capture) if on else None
         return self
 
     def compile_forward(self, mode: str | None = None) -> "Transformer":
-        """Compile `forward_tensors` with torch.compile (inductor; `mode="reduce-overhead"` adds CUDA graphs
-        on GPUs). The batch, step-length and capacity dimensions are marked dynamic, so one compilation
-        serves every batch size and step length (a size of 1 gets its own graph, as torch.compile always
-        specialises it: at most four graphs per model); attention runs over the cache's full width so that
+        """Compile `forward_tensors` with torch.compile (inductor's kernels; a mode that captures CUDA graphs, such
+        as "reduce-overhead", is refused: `use_graphs` is the one capture mechanism). The batch, step-length
+        and capacity dimensions are marked dynamic, so one compilation serves every batch size and step length
+        (a size of 1 gets its own graph, as torch.compile always specialises it: at most four graphs per model); attention runs over the cache's full width so that
         no shape depends on the rows' lengths. Results equal the eager forward's up to rounding (inductor's
         float32 rsqrt differs from eager's in the last bit; the RoPE table is built eagerly, outside the graph;
         token-exact in float64 in our tests)."""
@@ -511,6 +515,9 @@ class Transformer(nn.Module):
             return self  # already compiled so: several LLMs sharing this model share its graphs
         from torch._inductor import list_mode_options
 
+        if mode and list_mode_options(mode).get("triton.cudagraphs"):
+            raise ValueError(f"compile_forward: mode {mode!r} captures CUDA graphs; the step's graphs are "
+                             f"use_graphs()'s (models/graphs.py), the one capture mechanism")
         # torch.compile takes a mode or options, not both: the mode enters as its options
         options = {**(list_mode_options(mode) if mode else {}), "emulate_precision_casts": True}
         # dynamo counts recompilations per code object, and every compiled model shares forward_tensors' code

@@ -206,13 +206,16 @@ def model_identity(model, spec) -> str | None:
 
 
 def forward_variant(model) -> str:
-    """How a model's forward runs, as far as its cost goes: eager or compiled, batch-invariant or not,
-    packed linear weights or not."""
+    """How a model's forward runs, as far as its cost goes: eager or compiled, replayed CUDA graphs or not,
+    batch-invariant or not, packed linear weights or not."""
+    runner = getattr(model, "graph_runner", None)
+    graphs = runner is not None and getattr(runner, "capture", False) and not getattr(runner, "failed", None) \
+        and getattr(model, "compiled_forward", None) is None  # (a compiled forward runs without the runner)
     invariant = bool(getattr(model, "batch_invariant", False))
     compiled = getattr(model, "compiled_forward", None) is not None and not invariant  # the mode runs eager
     packed = bool(getattr(model, "packed_linear", False)) and not invariant and not compiled
     quantized = getattr(model, "quantize", None)  # int8 / int4 weights (models/quant.py) cost other times
-    return ("compiled" if compiled else "eager") + ("+batch-invariant" if invariant else "") + (
+    return ("compiled" if compiled else "eager") + ("+graphs" if graphs else "") + ("+batch-invariant" if invariant else "") + (
         "+packed" if packed else "") + (f"+{quantized}" if quantized else "")
 
 

@@ -141,7 +141,10 @@ class Engine:
         bound = self.scheduler.rows_for(1 << 62)
         rows = min(bound, self.scheduler.rows_for(1 << (live - 1).bit_length()))
         if rows > self._checked[0] or capacity > self._checked[1]:
-            check_cache_memory((self.llm.target, self.llm.draft), rows, capacity, self.llm.device, self.batch_size)
+            prefix = self.llm.prefix_cache  # its budget not yet filled is promised too (what it holds is not free)
+            reserved = 0 if prefix is None else max(prefix.budget - prefix.bytes, 0)
+            check_cache_memory((self.llm.target, self.llm.draft), rows, capacity, self.llm.device, self.batch_size,
+                               self.ctx.k_max + 1, reserved)
             with self._lock:
                 self._checked = (max(rows, self._checked[0]), capacity)
 

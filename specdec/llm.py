@@ -82,7 +82,7 @@ class LLM:
     """
 
     def __init__(self, target, draft=None, method: str = "eqspec", num_speculative_tokens: int | str = "auto",
-                 batch_size: int = 8, dtype="float32", device="auto", check_invariants: bool | None = None,
+                 batch_size: int = 8, dtype=None, device="auto", check_invariants: bool | None = None,
                  kernel_backend: str | None = None, window_size: int = 48, max_wait_steps: int = 8,
                  tokenizer=None, check_weights: bool = False, max_speculative_tokens: int = 8,
                  realign_cost_ratio: float = 0.175, fold_shift: bool = False, compile: bool | None = None,
@@ -174,7 +174,7 @@ class LLM:
             for model in (self.target, self.draft):
                 if model is not None:
                     set_batch_invariant(model, True)
-        elif self.quantize["draft"] and self.draft is not None:  # only the target's numbers must be invariant
+        elif getattr(self.draft, "quantize", None):  # only the target's numbers must be invariant
             self.draft.batch_invariant = False
         for spec, model in zip(self.specs, (self.target, self.draft)):
             if isinstance(spec, (str, os.PathLike)) or packed_weights is not None:  # None: a model object stays as it is
@@ -195,25 +195,23 @@ class LLM:
         self.chooser = make_chooser(self) if self.options.auto_k else None
 
     def _compile(self) -> None:
-        """torch.compile the forwards of our own models (CUDA: with CUDA graphs, "reduce-overhead")."""
-        mode = "reduce-overhead" if self.device.type == "cuda" else None
+        """torch.compile the forwards of our own models (inductor's kernels; CUDA graphs are models/graphs.py's)."""
         for model in (self.target, self.draft):
             if model is None:
                 continue
             if not hasattr(model, "compile_forward"):
                 raise ValueError(f"compile=True needs models with compile_forward(); {type(model).__name__} has none")
-            model.compile_forward(mode)
+            model.compile_forward(None)
 
     def _use_graphs(self, cuda_graphs: bool | None, compile: bool) -> None:
         """`cuda_graphs`: None (default) runs the steps of our own models as CUDA graph replays on CUDA (not
-        with `compile`, whose "reduce-overhead" mode captures its own); True asks for it (refused off CUDA)."""
+        with `compile`: one or the other); True asks for it (refused off CUDA)."""
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device; this LLM runs on {self.device}")
         if cuda_graphs and compile:
-            raise ValueError("cuda_graphs=True and compile=True: the compiled forward captures its own graphs; "
-                             "choose one")
+            raise ValueError("cuda_graphs=True and compile=True: the graphs capture the eager forward; choose one")
         if cuda_graphs is None and self.device.type != "cuda":
             return  # a model object keeps what its owner set
         on = not compile if cuda_graphs is None else cuda_graphs

@@ -3,7 +3,8 @@
 `PrefilledCache` prefills a model's KV cache with a prompt; `time(x)` runs one forward of `x` on top of that
 prefix and rewinds the cache (O(1): only the row lengths move), so every call sees the same prefix.
 `time_forward` is the whole measurement on random token ids: one untimed warm-up forward (where a compiled
-model compiles), then the median of `repeats` timed ones.
+model compiles; with CUDA graphs, until the step is a replay of its captured graph), then the median of
+`repeats` timed ones: what a step costs as it will run.
 """
 from __future__ import annotations
 
@@ -75,6 +76,8 @@ def time_forward(model, rows: int, new_tokens: int, context: int, repeats: int, 
     g = torch.Generator().manual_seed(seed)
     prefilled = PrefilledCache(model, random_tokens(rows, context, vocab, g, device), context + new_tokens + 1)
     x = random_tokens(rows, new_tokens, vocab, g, device)  # [rows, T]
-    prefilled.time(x, logits)  # warm-up
+    runner = getattr(model, "graph_runner", None)  # CUDA graphs: warm up until the step replays its graph
+    for _ in range(1 + (runner.forwards_before_replay() if runner is not None else 0)):
+        prefilled.time(x, logits)  # warm-up
     warm_up = time.perf_counter() - start
     return statistics.median(prefilled.time(x, logits) for _ in range(repeats)), warm_up

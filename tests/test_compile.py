@@ -38,13 +38,16 @@ def test_compiled_equals_eager(pair):
 
 
 def test_a_compile_mode_enters_as_options(pair):
-    """`--compile` on CUDA asks for "reduce-overhead" (CUDA graphs); torch.compile refuses a mode together with
-    options (the H200 run's "Either mode or options can be specified"), so the mode goes in as its options."""
+    """torch.compile refuses a mode together with options (the H200 run's "Either mode or options can be
+    specified"), so a mode goes in as its options; a mode that captures CUDA graphs is refused (models/graphs.py
+    is the one capture mechanism)."""
     from specdec.models import load_model
 
     model = load_model(pair[0], dtype="float64")
-    model.compile_forward("reduce-overhead")  # torch.compile is lazy: nothing compiles until a call
-    assert model.compiled_forward is not None and model._compile_mode == "reduce-overhead"
+    model.compile_forward("max-autotune-no-cudagraphs")  # torch.compile is lazy: nothing compiles until a call
+    assert model.compiled_forward is not None and model._compile_mode == "max-autotune-no-cudagraphs"
+    with pytest.raises(ValueError, match="captures CUDA graphs"):
+        model.compile_forward("reduce-overhead")
 
 
 def test_many_compiled_models_fit_in_dynamo_s_cache(tmp_path, monkeypatch):

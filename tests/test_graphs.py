@@ -1,7 +1,8 @@
 """The CUDA-graph step (models/graphs.py) computed without capture on the CPU: the static-buffer path a graph
-replays -- the bucket's padded rows, the plan computed on the device from start/length over the cache's full
-capacity -- gives AR's tokens for every method that runs plain steps, and the runner falls back to eager
-exactly where a graph cannot serve. (The capture itself needs a GPU: bench/gpu_check.sh.)"""
+replays -- the bucket's padded rows, the plan computed on the device from start/length over a width bucket --
+gives AR's tokens for every method, and the runner falls back to eager exactly where a graph cannot serve.
+The runner's bookkeeping behind a capture stand-in: tests/test_graph_runner.py; the capture itself on a GPU:
+test_the_real_capture_replays_the_eager_step below and bench/gpu_check.sh."""
 import pytest
 import torch
 
@@ -40,10 +41,7 @@ def test_the_graph_step_gives_ar_s_tokens(models, method, monkeypatch):
         for model in models:
             model.use_graphs(False)
     served = [r for r in runs if r is not None]
-    if method == "exspec":  # its steps run on views of a batch buffer whose width follows the group: eager
-        assert runs and not served
-    else:
-        assert served and len(served) < len(runs)  # steps through the graph path; prefills eager
+    assert served and len(served) < len(runs)  # steps through the graph path (exspec's groups too); prefills eager
 
 
 def test_the_runner_buckets_rows_and_steps_aside(models):
@@ -53,11 +51,11 @@ def test_the_runner_buckets_rows_and_steps_aside(models):
     cache = target.new_cache(3, 16)
     ids = torch.tensor([[5, 6], [7, 8], [9, 10]])
     assert runner.run(ids, cache, "all", None, [2, 1, 2], None) is None  # a padded prefill: eager
-    assert runner.run(ids, cache, "all", "all", None, None) is None  # hidden states asked for: eager
-    assert runner.run(ids, cache, "all", None, None, None) is None  # 3 rows need the 4-row bucket: 3 slots only
-    cache.reserve_rows(4)
+    assert runner.run(torch.zeros(3, 17, dtype=torch.int64), cache, "all", None, None, None) is None  # overflow
+    assert cache.reserved_rows == 3
     eager_cache = target.new_cache(3, 16)
-    out = runner.run(ids, cache, "all", None, None, None)  # [3, 2, V]
+    out = runner.run(ids, cache, "all", None, None, None)  # [3, 2, V]: the storage gets the 4-row bucket's rows
+    assert cache.reserved_rows == 4
     want = target.forward(ids, eager_cache)
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
     assert cache.host_length == [2, 2, 2] and torch.equal(cache.length, torch.tensor([2, 2, 2]))
@@ -66,8 +64,8 @@ def test_the_runner_buckets_rows_and_steps_aside(models):
     runner.run(torch.tensor([[5], [6], [7], [8]]), four, "all", None, None, None)
     four.take_rows([0, 1, 2])
     runner.run(torch.tensor([[5], [6], [7]]), four, "all", None, None, None)
-    key = next(k for k in runner.steps if k[:2] == (4, 1) and k[3] == four._kv_all.data_ptr())
-    assert runner.steps[key].length.tolist() == [1, 1, 1, 0]
+    step = next(s for k, s in four.graphs.items() if k != "pool" and k[1:3] == (4, 1))  # the cache's own graphs
+    assert step.length.tolist() == [1, 1, 1, 0]
 
 
 def test_cuda_graphs_option(llama_pair):
@@ -79,3 +77,19 @@ def test_cuda_graphs_option(llama_pair):
     with pytest.raises(ValueError, match="cuda_graphs must be"):
         LLM(target, method="ar", dtype="float64", cuda_graphs="yes")
     assert LLM(target, method="ar", dtype="float64", cuda_graphs=False).target.graph_runner is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the real capture needs a CUDA device")
+def test_the_real_capture_replays_the_eager_step(llama_pair):
+    """torch.cuda's capture: a batch of 5 replays its bucket-8 graph and gives the eager step's logits."""
+    target = load_model(llama_pair[0], dtype="float32", device="cuda").use_graphs()
+    graphed, eager = target.new_cache(5, 64), target.new_cache(5, 64)
+    runner = target.graph_runner
+    for t in range(6):
+        ids = torch.arange(5, device="cuda")[:, None] + 10 + t  # [5, 1]
+        out = target.forward(ids, graphed)
+        target.graph_runner = None
+        want = target.forward(ids, eager)
+        target.graph_runner = runner
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    assert runner.failed is None and any(s.graph is not None for s in runner.live_steps())
