@@ -2,7 +2,24 @@
 
 `kernels/` installs as `specdec.kernels` and `models/` as `specdec.models`.
 """
-from setuptools import setup
+import platform
+
+from setuptools import Extension, setup
+
+# The CPU matmul for quantized weights (kernels/cpu/, docs/kernels.md): plain C++ with OpenMP, loaded with ctypes by
+# kernels/qmm_cpu.py, so it needs no torch at build time. Each instruction-set variant (AVX2, AVX-512 VNNI) is
+# compiled for its own target and chosen at run time by the CPU's features. `optional`: where it cannot build, pip
+# says so in a line and installs the rest; the kernel's loader then says in one line that torch multiplies float
+# copies instead.
+QMM = Extension(
+    "specdec.kernels._qmm",
+    sources=["kernels/cpu/qmm.cpp", "kernels/cpu/qmm_avx2.cpp", "kernels/cpu/qmm_avx512.cpp"],
+    depends=["kernels/cpu/qmm_common.h"],
+    extra_compile_args=["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"],
+    extra_link_args=["-fopenmp"],
+    language="c++",
+    optional=True,
+)
 
 SERVE = ["fastapi>=0.100", "uvicorn>=0.23", "prometheus-client>=0.17", "pydantic>=2"]
 
@@ -53,5 +70,6 @@ setup(
         # removes the `ray_remote_args` that sets a block's retry budget
         "ray": ["ray[data]>=2.60,<2.64"],
     },
+    ext_modules=[QMM] if platform.system() == "Linux" else [],
     entry_points={"console_scripts": ["specdec=specdec.run:main"]},
 )

@@ -335,7 +335,7 @@ QUANT_IMPLS = ("kernel", "kernel_nmajor", "bf16") if CUDA else ("reference", "cp
 def test_quant_matmul(benchmark, fmt, shape, rows, impl):
     N, K = shape
     weight = torch.randn(N, K) * 0.02
-    part = QuantRows(fmt, (N, K), "bench")
+    part = QuantRows(fmt, (N, K), "bench", device="cuda")  # the GPU layout's codes (held on the CPU here)
     part.add_float(0, weight)
     zeros = None if part.zeros is None else part.zeros.to(DEVICE)
     layer = QuantLinear(fmt, part.codes.to(DEVICE), part.scales.to(DEVICE), zeros,

@@ -2,9 +2,9 @@
 decode timed apart, batch 1 and batch B, the roofline per format, and the quality each format costs.
 
 Methods (`--methods`), each over the same chat-formatted SpecBench prompts and N new tokens (EOS ignored):
-- `f32`, `int8`, `int4`: specdec AR with the target loaded as float32, `quantize="int8"` (re-quantized per
-  channel) and `quantize="int4"` (a Q4_0/Q4_1 file's blocks as stored);
-- `int4@suffix`, `int4@feature`: auto k on the int4 target with the suffix drafter, and with the shipped
+- `stored`, `f32`: specdec AR with the target as `LLM(path)` loads it (the file's blocks as stored, multiplied by
+  kernels/qmm_cpu.py) and with `dtype="float32"` (dequantized to float32);
+- `stored@suffix`, `stored@feature`: auto k on the stored target with the suffix drafter, and with the shipped
   feature draft for SmolLM2 (its weights borrowed from the target);
 - `lcpp`, `lcpp-lookup`: llama.cpp through llama-cpp-python (optional: `pip install llama-cpp-python`,
   a ~15-minute build on 2 cores; docs/benchmarks/quantized.md says how to build and cache the wheel), the same file, the
@@ -18,7 +18,9 @@ Quality (against the float32 load of the same file, `--quality` prompts): top-1 
 teacher-forced on the float32 model's greedy text, and the share of greedy outputs identical for N tokens.
 
     python -m bench.quantized                                 # the SmolLM2 Q4_1 file, 12 prompts, 64 tokens
-    python -m bench.quantized --methods f32,int4,lcpp --num-prompts 4 --max-tokens 32 --repeats 1
+    python -m bench.quantized --methods f32,stored,lcpp --num-prompts 4 --max-tokens 32 --repeats 1
+    python -m bench.quantized --target .cache/qwen/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --methods stored,lcpp \
+        --batch-sizes 1 --threads 2 --quality 0 --out bench/results/quantized-qwen
 Results: bench/results/quantized/ (quantized.jsonl, quantized.md, quantized.png); the table is printed.
 """
 from __future__ import annotations
@@ -38,8 +40,8 @@ from bench.common import (REPO, HelpFormatter, command_line, comma_ints, comma_l
 DEFAULT_TARGET = os.path.join(REPO, ".cache", "real_model", "SmolLM2-135M-Instruct.Q4_1.gguf")
 DEFAULT_PROMPTS = "/work/shared/data/spec_bench/question.jsonl"
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "quantized")
-METHODS = ("f32", "int8", "int4", "int4@suffix", "int4@feature", "lcpp", "lcpp-lookup")
-FORMAT = {"f32": None, "int8": "int8", "int4": "int4", "int4@suffix": "int4", "int4@feature": "int4"}
+METHODS = ("f32", "stored", "stored@suffix", "stored@feature", "lcpp", "lcpp-lookup")
+LOAD = {"f32": {"dtype": "float32"}, "stored": {}}  # LLM's loading arguments of each format
 
 
 def parse_args(argv=None):
@@ -70,11 +72,11 @@ def weight_bytes(model) -> int:
     only where it is the (tied) head."""
     from torch import nn
 
-    from specdec.models.quant import QuantLinear
+    from specdec.models.quant import QUANTIZED_LINEAR
 
     total = 0
     for module in {id(m): m for m in model.modules()}.values():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, QUANTIZED_LINEAR):
             total += module.weight_bytes
         elif isinstance(module, nn.Linear):
             total += module.weight.numel() * module.weight.element_size()
@@ -87,14 +89,14 @@ class Specdec:
         from specdec import LLM
         from specdec.drafts import SHIPPED
 
-        fmt = FORMAT[method]
+        load = LOAD[method.split("@")[0]]
         draft = None
         kind = "ar"
         if method.endswith("@suffix"):
             kind, draft = "ragged", "suffix"
         elif method.endswith("@feature"):
             kind, draft = "ragged", str(SHIPPED / "smollm2-135m-instruct")
-        self.llm = LLM(target, draft, method=kind, quantize=fmt, tokenizer=tokenizer, batch_size=1)
+        self.llm = LLM(target, draft, method=kind, tokenizer=tokenizer, batch_size=1, **load)
         self.bytes = weight_bytes(self.llm.target)
 
     def run(self, prompts, batch_size: int, max_tokens: int) -> dict:
@@ -154,7 +156,7 @@ def quality(target: str, prompts, max_tokens: int, formats) -> dict:
     from specdec.models import load_model
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    ref_model = load_model(target)
+    ref_model = load_model(target, **LOAD["f32"])
     ref_out = [o.token_ids for o in LLM(ref_model, method="ar", batch_size=4).generate(
         prompt_token_ids=prompts, sampling_params=params)]
     texts = [p + o for p, o in zip(prompts, ref_out)]
@@ -167,17 +169,17 @@ def quality(target: str, prompts, max_tokens: int, formats) -> dict:
     ref_logits = scores(ref_model)
     result = {}
     for fmt in formats:
-        model = ref_model if fmt is None else load_model(target, quantize=fmt)
-        logits = ref_logits if fmt is None else scores(model)
+        model = ref_model if fmt == "f32" else load_model(target, **LOAD[fmt])
+        logits = ref_logits if fmt == "f32" else scores(model)
         agree = nll = count = 0.0
         for lg, ref, t, p in zip(logits, ref_logits, texts, prompts):
             labels = torch.tensor(t[len(p):])
             agree += (lg.argmax(-1) == ref.argmax(-1)).sum().item()
             nll += torch.nn.functional.cross_entropy(lg.float(), labels, reduction="sum").item()
             count += len(labels)
-        outs = ref_out if fmt is None else [o.token_ids for o in LLM(model, method="ar", batch_size=4).generate(
+        outs = ref_out if fmt == "f32" else [o.token_ids for o in LLM(model, method="ar", batch_size=4).generate(
             prompt_token_ids=prompts, sampling_params=params)]
-        result[fmt or "f32"] = {"top1_agreement": agree / count, "perplexity": math.exp(nll / count),
+        result[fmt] = {"top1_agreement": agree / count, "perplexity": math.exp(nll / count),
                                 "identical_outputs": sum(a == b for a, b in zip(outs, ref_out)) / len(prompts)}
     return result
 
@@ -223,7 +225,7 @@ def main(argv=None) -> None:
         if r["weight_bytes"] and r["batch"] == 1 and "@" not in r["method"]:
             r["roofline_tok_s"] = bandwidth["median"] * 1e9 / r["weight_bytes"]
             r["roofline_share"] = statistics.median(r["decode_tok_s"]) / r["roofline_tok_s"]
-    formats = [FORMAT[m] for m in ("f32", "int8", "int4") if m in runners]
+    formats = [m for m in LOAD if m in runners]
     qual = quality(args.target, prompts[: args.quality], args.max_tokens, formats) if args.quality else {}
     report(args, records, bandwidth, qual)
 

@@ -33,7 +33,9 @@ from .config import ModelConfig
 from .errors import CheckpointError
 from .feature_draft import fingerprint_rows, fingerprint_weights
 from .finite import check_finite
-from .quant import QuantRows, finish_loading, quantized_parameters
+from .ggml_blocks import TYPES as BLOCK_TYPES
+from .ggml_blocks import Decomposed, decompose
+from .quant import AS_STORED, QuantRows, finish_loading, quantized_parameters
 from .transformer import Transformer, fusion_layout
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -413,10 +415,19 @@ class GGUFTensors:
         self.file.release(self.names[name])
 
     def read_quantized(self, name: str, rows: QuantRows, offset: int = 0, label: str | None = None) -> None:
-        """Weight `name` into the quantized rows `rows` from row `offset` on (a fused projection's part): Q4_0,
-        Q4_1 and Q4_K blocks as stored when `rows` is int4 (never dequantized), any other type dequantized a
-        bounded chunk at a time and quantized."""
+        """Weight `name` into the quantized rows `rows` from row `offset` on (a fused projection's part). On the
+        CPU (`rows.blocks`) every block type of models/ggml_blocks.py as stored, decomposed a bounded chunk of
+        rows at a time (never dequantized); for the GPU layout, Q4_0, Q4_1 and Q4_K blocks as stored when
+        `rows` is int4. Any other type is dequantized a bounded chunk at a time and quantized."""
         t = self.names[name]
+        if rows.blocks and t.qtype.name in BLOCK_TYPES:
+            for first, last, heads in self._chunks(name):
+                parts = decompose(self.file.raw_rows(t, first, last), t.qtype.name)
+                if heads is not None:
+                    parts = Decomposed(*(None if p is None else unpermute_rows(p, heads) for p in parts))
+                rows.add_blocks(offset + first, parts, t.qtype.name, label)
+            self.file.release(t)
+            return
         as_stored = rows.fmt == "int4" and t.qtype.name in INT4_AS_STORED
         for first, last, heads in self._chunks(name):
             if as_stored:
@@ -457,15 +468,21 @@ def gguf_name(hf: str) -> str:
     return hf
 
 
-def load_gguf_model(path, dtype=torch.float32, device="cpu", fuse: bool = True,
+def load_gguf_model(path, dtype=None, device="cpu", fuse: bool = True,
                     check_weights: bool = False, quantize: str | None = None) -> Transformer:
-    """Load a GGUF file into our Transformer (see the module docstring). `dtype` is a torch dtype;
-    `quantize` "int8" / "int4" keeps the linear weights quantized (models/quant.py; Q4_0 / Q4_1 / Q4_K tensors
-    as stored when int4)."""
+    """Load a GGUF file into our Transformer (see the module docstring). `dtype` None (the default) on the
+    CPU keeps every quantized tensor of a block type models/ggml_blocks.py knows as the file stores it (the
+    activations float32), multiplied by kernels/qmm_cpu.py; a torch dtype asks for float weights (dequantized).
+    `quantize` "int8" / "int4" keeps the linear weights quantized (models/quant.py: on the CPU the file's blocks
+    as stored and float tensors quantized to Q4_1 / Q8_0; elsewhere Q4_0 / Q4_1 / Q4_K tensors as stored when
+    int4)."""
     path = os.fspath(path)
     device = torch.device(device)
     weights = GGUFTensors(path)
     cfg = weights.cfg
+    if dtype is None and quantize is None and device.type == "cpu":
+        quantize = AS_STORED
+    dtype = torch.float32 if dtype is None else dtype
     with torch.device("meta"):
         model = Transformer(cfg, fused=fuse)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -476,6 +493,9 @@ def load_gguf_model(path, dtype=torch.float32, device="cpu", fuse: bool = True,
     placement = {name: (name, None) for name in params if name not in fused_names}
     placement.update({src: (dst, row) for src, (dst, row, _) in layout.items()})
     quantized = quantized_parameters(model, quantize) if quantize else {}
+    if quantize == AS_STORED:  # a parameter stays quantized where every tensor it is made of is of a block type
+        floats = {placement[name][0] for name, t in weights.names.items() if t.qtype.name not in BLOCK_TYPES}
+        quantized = {param: fmt for param, fmt in quantized.items() if param not in floats}
     final: dict[str, torch.Tensor] = {}
     rows: dict[str, QuantRows] = {}
     samples = {}  # a quantized load: the fingerprint's sample of the weights as the file holds them
@@ -487,7 +507,7 @@ def load_gguf_model(path, dtype=torch.float32, device="cpu", fuse: bool = True,
             if name in fingerprint_weights(cfg):
                 samples[name] = weights.read_rows(name, fingerprint_rows(weights.shape(name)[0]))
             if param not in rows:
-                rows[param] = QuantRows(quantized[param], tuple(params[param].shape), label, check_weights)
+                rows[param] = QuantRows(quantized[param], tuple(params[param].shape), label, check_weights, device)
             weights.read_quantized(name, rows[param], row or 0, label)
             continue
         if param not in final:

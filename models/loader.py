@@ -87,7 +87,7 @@ def weight_files(path: str) -> dict[str, list[str] | None]:
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json found")
 
 
-def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_weights: bool = False,
+def load_model(path, dtype=None, device="cpu", fuse: bool = True, check_weights: bool = False,
                quantize: str | None = None) -> Transformer:
     """Load an HF checkpoint directory (Llama/Vicuna, Qwen3, GLM-4) into our Transformer.
 
@@ -95,13 +95,15 @@ def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_wei
     `check_weights` scans every weight, after conversion to `dtype`, for NaN/inf and raises naming the file
     and key; the model's `weights_check_s` records the scan's seconds (None when not checked).
     `quantize` "int8" / "int4" keeps the linear weights (and the embedding, int8) quantized, each quantized
-    a bounded chunk of rows at a time as it is read (models/quant.py); `dtype` is then the activations'."""
+    a bounded chunk of rows at a time as it is read (models/quant.py); `dtype` is then the activations'.
+    `dtype` None: float32, except that a quantized GGUF file keeps its blocks as stored (models/gguf.py)."""
     path = os.fspath(path)
     quantize = check_format(quantize)
     if path.endswith(".gguf") and not os.path.isdir(path):  # a llama.cpp file (models/gguf.py)
-        return load_gguf_model(path, resolve_dtype(dtype), device, fuse, check_weights, quantize)
+        return load_gguf_model(path, None if dtype is None else resolve_dtype(dtype), device, fuse, check_weights,
+                               quantize)
     cfg = ModelConfig.from_dir(path)
-    dtype = resolve_dtype(dtype)
+    dtype = resolve_dtype("float32" if dtype is None else dtype)
     device = torch.device(device)
     with torch.device("meta"):
         model = Transformer(cfg, fused=fuse)
@@ -155,7 +157,8 @@ def load_model(path, dtype="float32", device="cpu", fuse: bool = True, check_wei
                             samples[name] = mapped[fingerprint_rows(shape[0])].float()
                         label = f"{file}: weight {key!r}"
                         if param not in rows:
-                            rows[param] = QuantRows(quantized[param], tuple(params[param].shape), label, check_weights)
+                            rows[param] = QuantRows(quantized[param], tuple(params[param].shape), label, check_weights,
+                                                    device)
                         step = max(1, DEQUANT_CHUNK_ELEMENTS // shape[1])
                         for first in range(0, shape[0], step):  # bounded float32 temporaries
                             rows[param].add_float((row or 0) + first, mapped[first: first + step].float(), label)

@@ -31,7 +31,7 @@ from specdec.kernels.bi_matmul import bi_linear, pack_weight
 from specdec.kernels.dispatch import choose_backend, one_thread
 from specdec.kernels.rmsnorm import rms_norm as bi_rms_norm
 
-from .quant import COMPUTE_DTYPE, QuantLinear
+from .quant import COMPUTE_DTYPE, QUANTIZED_LINEAR, QuantLinear
 
 # CPU float32 linear layers with M = B*T >= 2 rows: MKL's small-M GEMM costs ~M times its one-row GEMV
 # (M = 2..8 measured 1.8-2.9x the time of M = 1 at K = 384, N = 1536), oneDNN's blocked kernel on a
@@ -119,7 +119,7 @@ def linear(layer: nn.Linear, x, invariant: bool, backend: str | None = None, pac
     quantized layer (models/quant.py) runs its own weight-only kernels, batch-invariant as they are; with
     `promoted` (the caller only adds or multiplies the output into x's dtype, where promotion converts it
     exactly) it returns what its kernel computes, without a cast."""
-    if isinstance(layer, QuantLinear):
+    if isinstance(layer, QUANTIZED_LINEAR):
         return layer(x, invariant, layer_dtype(layer) if promoted else None)
     if invariant:
         return bi_linear(x, layer.weight, layer.bias, packed=packed_weight(layer), backend=backend)
@@ -133,9 +133,9 @@ def linear_add(layer: nn.Linear, x, residual, invariant: bool, backend: str | No
     linear with a sum post-op on the packed weight (CPU float32), else `addmm` on the transposed weight
     (float32 only: float64 keeps the product, then the sum, so that its last bits are HF's -- the float32
     RMSNorm HF runs inside a float64 model would otherwise round some of them the other way)."""
-    if packed and not invariant and not isinstance(layer, QuantLinear) and _packed_path(x):
+    if packed and not invariant and not isinstance(layer, QUANTIZED_LINEAR) and _packed_path(x):
         return _onednn(x, packed_weight(layer), layer.bias, residual, "add")
-    if invariant or layer.bias is not None or isinstance(layer, QuantLinear) or x.dim() != 2 \
+    if invariant or layer.bias is not None or isinstance(layer, QUANTIZED_LINEAR) or x.dim() != 2 \
             or x.dtype != torch.float32:
         return residual + linear(layer, x, invariant, backend, packed, promoted=True)
     return torch.addmm(residual, x, transposed_weight(layer))  # [M, N]
@@ -146,7 +146,7 @@ def gated_mlp(gate_up: nn.Linear, down: nn.Linear, x, residual, invariant: bool,
     """residual + down(silu(gate(x)) * up(x)) for x [M, E] (gate_up: the fused [2I, E] projection, gate first).
     CPU float32 with packed weights: three oneDNN ops (gate with a swish post-op, up with a product post-op,
     down with a sum post-op); else gate_up, SiLU, the product and `linear_add`."""
-    if packed and not invariant and not isinstance(gate_up, QuantLinear) and gate_up.bias is None \
+    if packed and not invariant and not isinstance(gate_up, QUANTIZED_LINEAR) and gate_up.bias is None \
             and _packed_path(x):
         act = _onednn(x, packed_weight(gate_up, 0), None, attr="swish")  # [M, I] silu(gate)
         act = _onednn(x, packed_weight(gate_up, 1), None, act, "mul")  # [M, I] silu(gate) * up

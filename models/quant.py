@@ -47,6 +47,9 @@ bounded chunk of rows at a time, so a float32 copy of the model is never held.
 """
 from __future__ import annotations
 
+import ctypes
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,13 +57,21 @@ from torch import nn
 from specdec.kernels.quant_matmul import (FORMATS, GROUP, INT4_OFFSET, dequantize_int4, k_major, pack_nibbles,
                                           quant_matmul, unpack_nibbles)
 
+from specdec.kernels import qmm_cpu
+
 from .errors import CheckpointError
 from .finite import check_finite
+from .ggml_blocks import Decomposed, Packed, pack, quantize_rows
+from .ggml_blocks import dequantize as dequantize_packed
+from .ggml_blocks import dequantize_rows as dequantize_packed_rows
 
 # FORMATS ("int8", "int4"), GROUP (32: int4's inputs per (scale, zero) group, llama.cpp's Q4 block size),
 # INT4_OFFSET and the (un)packing of nibbles are the kernel's (kernels/quant_matmul.py), imported above
 INT4_ROW_MULTIPLE = 16  # torch's CPU int4 layout packs output rows in sixteens
-COMPUTE_DTYPE = torch.bfloat16  # the activations and scales the weight-only kernels take
+COMPUTE_DTYPE = torch.bfloat16  # the activations and scales the GPU layout's weight-only kernels take
+# --quantize on the CPU: float weights quantized the llama.cpp way into one of the kernel's block types
+REQUANTIZED_AS = {"int4": "Q4_1", "int8": "Q8_0"}
+AS_STORED = "gguf"  # a GGUF's quantized tensors, loaded as the file holds them (models/gguf.py)
 
 
 class QuantizationError(ValueError):
@@ -188,29 +199,113 @@ class QuantLinear(nn.Module):
         return out if x.dim() == 2 else out.reshape(*shape[:-1], self.out_features)
 
 
+class BlockLinear(nn.Module):
+    """A linear layer y = x W^T + b whose W is held in models/ggml_blocks.py's packed tiles (a GGUF's own
+    block types, or float weights quantized to Q4_1 / Q8_0 by --quantize), multiplied on the CPU by
+    kernels/qmm_cpu.py: each weight read once per call however many rows x has, each row computed on its own
+    (the same bits alone or in any batch). `parts`: (first output row, Packed) in row order, one per run of rows
+    of one type (a fused q/k/v whose v is Q6_K and q, k Q4_K has two). Where the kernel is not built, a
+    float32 copy of W is made once (the loader says so in one line) and multiplied by torch."""
+
+    on_cpu = False  # not torch's CPU int4/int8 kernels: models/numerics.py's generic path, x's dtype
+
+    def __init__(self, parts: list[tuple[int, Packed]], bias: torch.Tensor | None = None, fmt: str = AS_STORED):
+        super().__init__()
+        self.format = fmt
+        self.parts = list(parts)
+        self.out_features = sum(p.n for _, p in self.parts)
+        self.in_features = self.parts[0][1].k
+        first = 0
+        for i, (row, p) in enumerate(self.parts):
+            if row != first or p.k != self.in_features:
+                raise ValueError(f"BlockLinear: part {i} starts at row {row} with {p.k} columns; expected row "
+                                 f"{first} and {self.in_features}")
+            first += p.n
+            for field in ("codes", "da", "db", "sa", "sb"):
+                if getattr(p, field) is not None:
+                    self.register_buffer(f"part{i}_{field}", getattr(p, field), persistent=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.weights = [(row, qmm_cpu.Weight(p)) for row, p in self.parts]  # the kernel's arguments, once
+        self.float_weight = None  # the fallback's float32 copy (kernel not built)
+
+    def extra_repr(self) -> str:
+        types = "+".join(p.qtype for _, p in self.parts)
+        return f"{types}, in_features={self.in_features}, out_features={self.out_features}"
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.nbytes for _, p in self.parts)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """W [N, K] in `dtype`, exactly as the blocks mean it (for checks and one-off copies, not for steps)."""
+        return torch.cat([dequantize_packed(p) for _, p in self.parts]).to(dtype)
+
+    def rows(self, index, dtype=torch.float32) -> torch.Tensor:
+        """Rows `index` (ids or a slice) of W, dequantized: [len, K] (an embedding's lookup)."""
+        ids = torch.arange(self.out_features)[index] if isinstance(index, slice) else torch.as_tensor(index)
+        flat = ids.reshape(-1)
+        if len(self.parts) == 1:
+            out = dequantize_packed_rows(self.parts[0][1], flat)
+        else:
+            out = torch.empty(flat.numel(), self.in_features)
+            for row, p in self.parts:
+                mine = (flat >= row) & (flat < row + p.n)
+                out[mine] = dequantize_packed_rows(p, flat[mine] - row)
+        return out.reshape(*ids.shape, self.in_features).to(dtype)
+
+    def forward(self, x: torch.Tensor, invariant: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """y [..., N] in `out_dtype` (default x's dtype). One path for every row count; `invariant` needs
+        nothing more (see the class docstring)."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        if not qmm_cpu.available():
+            if self.float_weight is None:
+                self.float_weight = self.dequantize()
+            out = x2.float() @ self.float_weight.t()  # [M, N]
+        elif len(self.weights) == 1:
+            out = qmm_cpu.qmm(x2, self.weights[0][1])  # [M, N] float32
+        else:
+            out = torch.empty(x2.shape[0], self.out_features)  # [M, N] float32, each part's columns written
+            for row, w in self.weights:
+                qmm_cpu.qmm(x2, w, out=out[:, row: row + w.n])
+        if self.bias is not None:
+            out = out + self.bias
+        out_dtype = x.dtype if out_dtype is None else out_dtype
+        if out.dtype != out_dtype:
+            out = out.to(out_dtype)
+        return out.reshape(*shape[:-1], self.out_features)
+
+
+QUANTIZED_LINEAR = (QuantLinear, BlockLinear)  # the layers that run their own kernels (models/numerics.py)
+
+
 class QuantEmbedding(nn.Module):
     """An embedding table held as int8 rows with a scale each (shared with a tied `QuantLinear` head)."""
 
-    def __init__(self, head: QuantLinear, dtype: torch.dtype):
+    def __init__(self, head: nn.Module, dtype: torch.dtype):
         super().__init__()
-        if head.format != "int8":
-            raise ValueError("a quantized embedding is int8")
+        if not isinstance(head, BlockLinear) and head.format != "int8":
+            raise ValueError("a quantized embedding is int8 or in blocks")
         self.table = head  # a submodule: a tied head is this same module (its buffers, one copy)
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.dtype = dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.table, BlockLinear):
+            return self.table.rows(input_ids, self.dtype)  # [..., E]
         rows = self.table.codes[input_ids].to(self.dtype)  # [..., E]
         return rows * self.table.scales[input_ids].to(self.dtype)[..., None]
 
     def rows(self, index) -> torch.Tensor:
         """Rows `index` of the table, dequantized to the activations' dtype: [len(index), E]."""
+        if isinstance(self.table, BlockLinear):
+            return self.table.rows(index, self.dtype)
         return self.table.codes[index].to(self.dtype) * self.table.scales[index].to(self.dtype)[:, None]
 
 
 def linear_weight(layer: nn.Module, dtype=None) -> torch.Tensor:
-    """A linear layer's weight [N, K] as floats (dequantized for a `QuantLinear`)."""
-    if isinstance(layer, QuantLinear):
+    """A linear layer's weight [N, K] as floats (dequantized for a `QuantLinear` or `BlockLinear`)."""
+    if isinstance(layer, (QuantLinear, BlockLinear)):
         return layer.dequantize(dtype or torch.float32)
     return layer.weight if dtype is None else layer.weight.to(dtype)
 
@@ -225,29 +320,53 @@ def embedding_rows(embedding: nn.Module, index) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------ while loading
 class QuantRows:
-    """The quantized rows of one weight, filled a chunk of rows at a time (rows of fused parts included)."""
+    """The quantized rows of one weight, filled a chunk of rows at a time (rows of fused parts included).
 
-    def __init__(self, fmt: str, shape: tuple[int, int], name: str, check: bool = False):
+    On the CPU (`blocks`) the rows are kept as models/ggml_blocks.py's decomposed blocks, a run of rows of one
+    type at a time (a GGUF's blocks as stored: `add_blocks`; float rows quantized to Q4_1 (int4) or Q8_0 (int8,
+    and `AS_STORED`'s float tensors): `add_float`), packed into a `BlockLinear` by `module`. Elsewhere, int4 /
+    int8 codes for the GPU layout's `QuantLinear` (`add_codes`)."""
+
+    def __init__(self, fmt: str, shape: tuple[int, int], name: str, check: bool = False, device="cpu"):
         N, K = shape
-        if fmt == "int4" and K % GROUP:
-            raise QuantizationError(f"{name}: int4 needs an input size divisible by {GROUP}, got {K}")
+        self.blocks = self.uses_blocks(device, fmt)
+        if (fmt == "int4" or self.blocks) and K % GROUP:
+            raise QuantizationError(f"{name}: {fmt} needs an input size divisible by {GROUP}, got {K}")
         self.fmt, self.shape, self.name = fmt, shape, name
+        self.filled = 0
+        self.check = check  # `check_weights`: NaN/inf in a part's floats (or a block's scales) is an error
+        self.check_s = 0.0
+        if self.blocks:
+            self.runs: list[tuple[int, str, Decomposed]] = []  # (first row, block type, rows)
+            return
         groups = K // GROUP if fmt == "int4" else 1
         self.codes = torch.empty(N, K, dtype=torch.uint8 if fmt == "int4" else torch.int8)
         self.scales = torch.empty(N, groups) if fmt == "int4" else torch.empty(N)
         self.zeros = torch.empty(N, groups) if fmt == "int4" else None
-        self.filled = 0
-        self.check = check  # `check_weights`: NaN/inf in a part's floats (or a Q4 block's scales) is an error
-        self.check_s = 0.0
+
+    @staticmethod
+    def uses_blocks(device, fmt: str) -> bool:
+        """The CPU kernel's blocks (on the CPU; and a GGUF's as stored), or the GPU layout's codes."""
+        return torch.device(device).type == "cpu" or fmt == AS_STORED
 
     def add_float(self, first: int, w: torch.Tensor, label: str | None = None) -> None:
         """Quantize float rows w [r, K] into rows first..first+r-1 (`label`: the source tensor, for errors)."""
         if self.check:
             self.check_s += check_finite(w, label or self.name)
-        if self.fmt == "int4":
+        if self.blocks:
+            qtype = REQUANTIZED_AS.get(self.fmt, "Q8_0")
+            self.add_blocks(first, quantize_rows(w, qtype), qtype)
+        elif self.fmt == "int4":
             self.add_codes(first, *quantize_int4_rows(w))
         else:
             self.add_codes(first, *quantize_int8_rows(w))
+
+    def add_blocks(self, first: int, rows: Decomposed, qtype: str, label: str | None = None) -> None:
+        """Rows first..first+r-1 as decomposed blocks of `qtype` (a GGUF's, as stored)."""
+        if self.check and label is not None:
+            self.check_s += sum(check_finite(t.float(), label) for t in (rows.da, rows.db) if t is not None)
+        self.runs.append((first, qtype, rows))
+        self.filled += rows.u.shape[0]
 
     def add_codes(self, first: int, codes, scales, zeros=None, label: str | None = None) -> None:
         """Rows already quantized in this format (a GGUF's Q4 blocks): codes [r, K], scales (and zeros)."""
@@ -264,22 +383,38 @@ class QuantRows:
     def complete(self) -> bool:
         return self.filled >= self.shape[0]
 
-    def module(self, bias=None, device="cpu") -> QuantLinear:
+    def module(self, bias=None, device="cpu") -> nn.Module:
+        if self.blocks:
+            return BlockLinear(self._parts(), bias, self.fmt)
         dev = torch.device(device)
         zeros = None if self.zeros is None else self.zeros.to(dev)
         return QuantLinear(self.fmt, self.codes.to(dev), self.scales.to(dev), zeros, bias)
+
+    def _parts(self) -> list[tuple[int, Packed]]:
+        """The runs in row order, consecutive runs of one type joined, each packed."""
+        runs = sorted(self.runs, key=lambda run: run[0])
+        self.runs = []
+        parts, group = [], []
+        for i, run in enumerate(runs):
+            group.append(run)
+            if i + 1 == len(runs) or runs[i + 1][1] != run[1]:
+                fields = zip(*(rows for _, _, rows in group))  # per field: its tensors, run by run
+                joined = Decomposed(*(None if ts[0] is None else torch.cat(ts) for ts in fields))
+                parts.append((group[0][0], pack(joined, run[1])))
+                group = []
+        return parts
 
 
 def quantized_parameters(model: nn.Module, fmt: str) -> dict[str, str]:
     """The weights a model quantized to `fmt` keeps quantized: parameter name -> its format. Every linear
     layer's weight in `fmt`; the embedding and the head int8 whatever `fmt` is (int4 there costs the most
-    quality; llama.cpp's Q4 files keep the embedding at Q8_0 too)."""
+    quality; llama.cpp's Q4 files keep the embedding at Q8_0 too). `AS_STORED`: every one as the file has it."""
     out = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
-            out[f"{name}.weight"] = "int8" if name == "lm_head" else fmt
+            out[f"{name}.weight"] = "int8" if name == "lm_head" and fmt != AS_STORED else fmt
         elif isinstance(module, nn.Embedding):
-            out[f"{name}.weight"] = "int8"
+            out[f"{name}.weight"] = fmt if fmt == AS_STORED else "int8"
     return out
 
 
@@ -306,6 +441,16 @@ def install_quantized(model: nn.Module, rows: dict[str, QuantRows], floats: dict
             model.lm_head = table
 
 
+def release_freed_memory() -> None:
+    """Hand the loader's freed temporaries back to the system (glibc keeps freed heap memory, and after large
+    frees it raises its mmap threshold, so chunk-sized temporaries land on the heap): measured on the Qwen2.5
+    1.5B Q4_K_M file, resident memory after loading 2.53 -> 1.60 GB. A no-op where there is no glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def finish_loading(model: nn.Module, floats: dict, rows: dict[str, QuantRows], tied: bool, dtype, device,
                    quantize: str | None, check_s: float | None) -> nn.Module:
     """Put the loaded weights into `model` (built on the meta device; shared by both loaders): the quantized
@@ -324,6 +469,10 @@ def finish_loading(model: nn.Module, floats: dict, rows: dict[str, QuantRows], t
         raise CheckpointError(f"weights not loaded: {', '.join(unset[:5])}")
     model.weights_check_s = check_s
     model.quantize = quantize if rows else None
+    release_freed_memory()
+    if any(part.blocks for part in rows.values()) and not qmm_cpu.available():
+        print(f"specdec: {qmm_cpu.unavailable_reason()}; multiplying float32 copies of the quantized weights "
+              f"instead (slower, more memory)", file=sys.stderr)
     if rows:  # see the module docstring ("Exactness"): the ops around the bfloat16 roundings must be invariant
         model.batch_invariant = True
     return model.eval()

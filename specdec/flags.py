@@ -135,11 +135,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str = "rows dec
     p.add_argument("--max-speculative-tokens", type=positive_int, default=8, help="the largest k that -k auto may "
                    "choose")
     p.add_argument("--window-size", type=positive_int, default=48, help="exspec: pool of live sequences")
-    p.add_argument("--dtype", choices=("float64", "float32", "bfloat16", "float16"), default="float32",
-                   help="weights and activations")
-    p.add_argument("--quantize", choices=QUANTIZE, help="keep the target's linear weights quantized: int8 per "
-                   "output channel, int4 in groups of 32 (a GGUF's Q4_0/Q4_1 tensors as stored); the embedding and "
-                   "head int8; --dtype is then the activations' (docs/api.md, 'Quantized weights')")
+    p.add_argument("--dtype", choices=("float64", "float32", "bfloat16", "float16"), default=None,
+                   help="weights and activations (default float32; a quantized GGUF then keeps its blocks as "
+                   "stored, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, and --dtype asks for float weights)")
+    p.add_argument("--quantize", choices=QUANTIZE, help="keep a float checkpoint's linear weights quantized: int4 "
+                   "as Q4_1 blocks, int8 as Q8_0 (on the CPU; int4 in groups of 32 / int8 per channel on a GPU); "
+                   "the embedding and head int8; --dtype is then the activations' (docs/api.md, 'Quantized "
+                   "weights')")
     p.add_argument("--draft-quantize", choices=QUANTIZE, help="the same for the draft model (its own setting)")
     p.add_argument("--device", default="auto", help="auto (CUDA when a GPU is present, else the CPU), cpu, cuda "
                    "or cuda:N")

@@ -165,7 +165,7 @@ def run(args, sink: JsonlOutput | None = None) -> int:
     setup = f" (+ {m.calibration_s:.2f} s measuring forward costs for auto k, once)" if m.calibration_s >= 0.01 else ""
     print(f"\n{plural(m.num_requests, 'request')}, {plural(m.generated_tokens, 'token')} in {m.wall_time_s:.2f} s"
           f"{setup}; "
-          f"target forwards {m.target_forwards}, draft forwards {m.draft_forwards}; dtype {args.dtype}, "
+          f"target forwards {m.target_forwards}, draft forwards {m.draft_forwards}; dtype {args.dtype or 'float32'}, "
           f"device {device_summary(llm.device, args.device)}, {threads}")
     if args.check_weights:
         seconds = sum(getattr(model, "weights_check_s", None) or 0.0 for model in (llm.target, llm.draft))

@@ -150,7 +150,9 @@ def test_safetensors_checkpoint_quantized_at_load(llama_pair, fmt):
     assert isinstance(model.embed_tokens, QuantEmbedding) and model.lm_head.format == "int8"
     assert model.layers[0].mlp.gate_up_proj.format == fmt
     ids = [5, 17, 3, 99, 42, 7, 1, 130, 8, 8, 64]
-    hidden_states_agree(model, ref, ids, top1=0.7, rel=0.35 if fmt == "int4" else 0.03)  # 4 bits: ~8% weight error
+    # 4 bits: ~8% weight error; the CPU kernel also rounds the activations to int8 per 32 (llama.cpp's Q8_0): on
+    # this tiny random model's near-flat logits 7 of the 11 top-1s agree (SmolLM2 Q4_1: 96.4%, docs/kernels.md)
+    hidden_states_agree(model, ref, ids, top1=0.6 if fmt == "int4" else 0.7, rel=0.35 if fmt == "int4" else 0.03)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16"])
@@ -158,17 +160,19 @@ def test_gguf_quantized_types_load_quantized(tmp_path, qtype):
     hf = build_hf_model("llama", seed=1, hidden_size=64, intermediate_size=96)
     path = tmp_path / f"llama-{qtype}.gguf"
     write_gguf(path, hf.config, hf.state_dict(), qtype=gguf.GGMLQuantizationType[qtype])
-    floats = load_model(path)  # the file dequantized to float32: the reference
-    model = load_model(path, quantize="int4")
+    floats = load_model(path, dtype="float32")  # the file dequantized to float32: the reference
+    as_stored = qtype != "F16"
+    model = load_model(path) if as_stored else load_model(path, quantize="int4")  # the default: blocks as stored
+    assert model.quantize == ("gguf" if as_stored else "int4")
     for name in ("layers.0.self_attn.qkv_proj", "layers.2.mlp.gate_up_proj", "layers.1.mlp.down_proj"):
         layer = model.get_submodule(name)
         want = floats.get_submodule(name).weight
-        err = (layer.dequantize() - want).abs().max().item()
-        if qtype.startswith("Q4"):  # as stored: only the scales' bfloat16 rounding
-            assert err <= 4 * BF16_EPS * want.abs().max().item(), f"{name}: {err}"
+        if as_stored:  # the file's own numbers, exactly
+            assert layer.parts[0][1].qtype == qtype and torch.equal(layer.dequantize(), want), name
         else:  # quantized from floats: half a step of a group's range / 15
+            err = (layer.dequantize() - want).abs().max().item()
             assert err <= want.abs().max().item() / 15, f"{name}: {err}"
-    if qtype.startswith("Q4"):  # the same weights as the float load, to bfloat16 rounding
+    if as_stored:  # the same weights as the float load; the activations rounded to int8 per 32 by the kernel
         hidden_states_agree(model, floats, [5, 17, 3, 99, 42, 7, 1, 100], top1=0.75, rel=0.03)
 
 
@@ -181,11 +185,11 @@ def test_llama_qk_permutation_is_undone_on_quantized_rows(tmp_path, monkeypatch,
                         if kind == gguf.GGMLQuantizationType.Q4_K else quantize(a, kind))
     path = tmp_path / f"llama-{qtype}.gguf"
     write_gguf(path, hf.config, hf.state_dict(), qtype=gguf.GGMLQuantizationType[qtype])
-    floats, model = load_model(path), load_model(path, quantize="int4")
+    floats, model = load_model(path, dtype="float32"), load_model(path)
     for name in ("layers.1.self_attn.qkv_proj", "layers.0.mlp.down_proj"):
         want = floats.get_submodule(name).weight
         got = model.get_submodule(name).dequantize()
-        assert (got - want).abs().max() <= 4 * BF16_EPS * want.abs().max(), name
+        assert torch.equal(got, want), name  # as stored: the file's numbers, the rows in HF's order
 
 
 def test_untied_head_and_biases_quantize(tmp_path):
@@ -232,17 +236,33 @@ def quantized_pair(tmp_path_factory):
     return make_pair("llama", tmp_path_factory.mktemp("quant-pair"), seed=3)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_speculative_equals_quantized_ar(quantized_pair, fmt, dtype):
+@pytest.fixture(scope="module")
+def gguf_target(quantized_pair, tmp_path_factory):
+    """quantized_pair's target as a Q5_0 GGUF file (5-bit codes: the kernel's high plane), loaded as stored."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(quantized_pair[0], torch_dtype=torch.float32)
+    path = tmp_path_factory.mktemp("quant-gguf") / "target-Q5_0.gguf"
+    write_gguf(path, hf.config, hf.state_dict(), qtype=gguf.GGMLQuantizationType.Q5_0)
+    return path
+
+
+@pytest.mark.parametrize("fmt,dtype", [("int8", "float32"), ("int8", "bfloat16"), ("int4", "float32"),
+                                       ("int4", "bfloat16"), ("gguf", None)])
+def test_speculative_equals_quantized_ar(quantized_pair, gguf_target, fmt, dtype):
+    """Every method and drafter gives the quantized target's own AR tokens: float checkpoints quantized at load
+    (int8 / int4), and a GGUF file's blocks as stored (the default load of a quantized GGUF)."""
     target, draft = quantized_pair
     ids = prompts()
     kwargs = dict(quantize=fmt, dtype=dtype, check_invariants=True)
+    if fmt == "gguf":  # the model object (its file carries no tokenizer): as the CPU loads it by default
+        target, kwargs = load_model(gguf_target), dict(check_invariants=True)
+        assert target.quantize == "gguf" and target.layers[0].mlp.gate_up_proj.parts[0][1].qtype == "Q5_0"
     if dtype == "bfloat16":
         kwargs["batch_invariant"] = True
     reference = [o.token_ids for o in LLM(target, method="ar", batch_size=1, **kwargs).generate(
         prompt_token_ids=ids, sampling_params=PARAMS)]
-    cases = [("eqspec", draft, 3, 4, {"draft_quantize": fmt}), ("ragged", draft, "auto", 3, {}),
+    cases = [("eqspec", draft, 3, 4, {"draft_quantize": "int8" if fmt == "gguf" else fmt}), ("ragged", draft, "auto", 3, {}),
              ("exspec", draft, 2, 2, {}), ("ragged", "suffix", "auto", 4, {}), ("eqspec", "ngram", 4, 3, {})]
     for method, drafter, k, batch, extra in cases:
         llm = LLM(target, drafter, method=method, num_speculative_tokens=k, batch_size=batch,
@@ -295,8 +315,11 @@ def test_a_quantized_target_is_recognised_by_the_weights_it_was_loaded_from(tmp_
         hf = build_hf_model("llama", seed=1, hidden_size=64, intermediate_size=96)
         path = tmp_path / f"llama-{source}.gguf"
         write_gguf(path, hf.config, hf.state_dict(), qtype=gguf.GGMLQuantizationType[source])
-    floats, quantized = load_model(path), load_model(path, quantize=fmt)
+    floats, quantized = load_model(path, dtype="float32"), load_model(path, quantize=fmt)
     assert quantized.quantize == fmt
     assert fingerprint(quantized) == fingerprint(floats)
-    del quantized.fingerprint_samples  # what the quantized numbers alone give: another model (the bug)
-    assert fingerprint(quantized) != fingerprint(floats)
+    del quantized.fingerprint_samples  # what the quantized numbers alone give
+    if source in ("safetensors", "F16"):  # floats quantized: another model (the bug)
+        assert fingerprint(quantized) != fingerprint(floats)
+    else:  # a GGUF's blocks are taken as stored on the CPU: the file's own numbers, the same model
+        assert fingerprint(quantized) == fingerprint(floats)

@@ -142,7 +142,7 @@ def test_quant_linear_gpu_layout_runs_the_kernel(monkeypatch, fmt):
     kernel's numbers, and the CPU kernels' numbers to bfloat16 rounding."""
     monkeypatch.setenv("SPECDEC_KERNELS", "triton")
     w = torch.randn(40, 96)
-    rows = QuantRows(fmt, (40, 96), "w")
+    rows = QuantRows(fmt, (40, 96), "w", device="cuda")  # the GPU layout's codes (kept on the CPU until module())
     rows.add_float(0, w)
     bias = torch.randn(40)
     zeros = rows.zeros
@@ -198,6 +198,7 @@ def test_quantized_model_on_the_kernel_is_batch_invariant_bitwise(llama_pair, mo
     from specdec.models import quant
 
     if not GPU:  # the GPU layout, on the CPU (on a GPU the model is loaded there and has it already)
+        monkeypatch.setattr(quant.QuantRows, "uses_blocks", staticmethod(lambda device, fmt: False))
         monkeypatch.setattr(quant.QuantRows, "module", lambda self, bias=None, device="cpu": QuantLinear(
             self.fmt, self.codes, self.scales, self.zeros, bias, cpu_kernels=False))
     launches = []

@@ -1,0 +1,155 @@
+// The AVX2 variant of qmm_common.h's matmul: a tile's 16 output rows as two halves of 8 (one ymm each).
+// Products by vpmaddubsw (u8 codes x s8 activations, pairs summed in int16: exact for codes <= 63) and
+// vpmaddwd (pairs into int32); 8-bit codes are multiplied as their two nibbles (16 hi + lo), which keeps
+// every int16 pair sum exact.
+#include "qmm_common.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+
+namespace qmm {
+namespace {
+
+// half `half` (bytes 32 half .. 32 half + 31 of each 64-byte vector) of a group's codes: lo[c] (0..15) and,
+// for BITS > 4, hi[c] (0 .. 2^(BITS-4) - 1, not shifted)
+template <int BITS>
+inline void unpack(const uint8_t* p, int half, __m256i* lo, __m256i* hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int v = 0; v < 4; ++v) {
+    const __m256i L = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * v + 32 * half));
+    lo[v] = _mm256_and_si256(L, m4);
+    lo[v + 4] = _mm256_and_si256(_mm256_srli_epi16(L, 4), m4);
+  }
+  constexpr int HB = BITS - 4;
+  if constexpr (HB > 0) {
+    const __m256i mh = _mm256_set1_epi8((char)((1 << HB) - 1));
+    for (int c = 0; c < 8; ++c) {
+      const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256 + 64 * (c % HB) + 32 * half));
+      hi[c] = _mm256_and_si256(_mm256_srli_epi16(H, (c / HB) * HB), mh);
+    }
+  }
+}
+
+inline __m256i dot4(__m256i codes, int32_t x4) {  // per int32 lane: sum of 4 code x activation products
+  const __m256i p = _mm256_maddubs_epi16(codes, _mm256_set1_epi32(x4));  // [16 x int16] exact (codes <= 63)
+  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+inline __m256 load_half8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 load_i8x8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+constexpr int PREFETCH_GROUPS = 8;  // as the AVX-512 variant
+
+template <int TYPE, int MR>
+void rows_half(const Args& a, int64_t t, int half, int64_t m0, bool prefetch) {
+  constexpr TypeInfo ti = TYPES[TYPE];
+  constexpr int G = ti.group, GPK = 32 / G, CB = code_bytes(ti.bits), KPS = ti.superblock / 32;
+  const int64_t K = a.K, nsb = K / ti.superblock, nkb = K / 32, ng = K / G;
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  const uint8_t* codes = a.codes + t * nkb * CB;
+  const int64_t col = 8 * half;
+  for (int64_t s = 0; s < nsb; ++s) {
+    const __m256 Da = load_half8(a.da + (t * nsb + s) * 16 + col);
+    __m256 Db = _mm256_setzero_ps();
+    if constexpr (ti.has_b) Db = load_half8(a.db + (t * nsb + s) * 16 + col);
+    for (int q = 0; q < KPS; ++q) {
+      const int64_t kb = s * KPS + q;
+      __m256i lo[8], hi[8];
+      if (prefetch) {
+        const char* ahead = reinterpret_cast<const char*>(codes + (kb + PREFETCH_GROUPS) * CB);
+        for (int line = 0; line < CB; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      }
+      unpack<ti.bits>(codes + kb * CB, half, lo, hi);
+      if constexpr (ti.bits > 4 && ti.bits < 8) {
+        for (int c = 0; c < 8; ++c) lo[c] = _mm256_or_si256(lo[c], _mm256_slli_epi16(hi[c], 4));  // <= 63
+      }
+      for (int h = 0; h < GPK; ++h) {
+        const int64_t g = kb * GPK + h;
+        __m256 av = Da, bv = Db;
+        if constexpr (ti.sub) {
+          av = _mm256_mul_ps(Da, load_i8x8(a.sa + (t * ng + g) * 16 + col));
+          if constexpr (ti.has_b) bv = _mm256_mul_ps(Db, load_i8x8(a.sb + (t * ng + g) * 16 + col));
+        }
+        for (int r = 0; r < MR; ++r) {
+          const int64_t m = m0 + r;
+          const int8_t* xr = a.xq + m * K + kb * 32 + h * G;
+          __m256i isum = _mm256_setzero_si256();
+          for (int c = 0; c < G / 4; ++c) isum = _mm256_add_epi32(isum, dot4(lo[h * (G / 4) + c], load_i32(xr + 4 * c)));
+          if constexpr (ti.bits == 8) {
+            __m256i ihi = _mm256_setzero_si256();
+            for (int c = 0; c < G / 4; ++c) ihi = _mm256_add_epi32(ihi, dot4(hi[h * (G / 4) + c], load_i32(xr + 4 * c)));
+            isum = _mm256_add_epi32(isum, _mm256_slli_epi32(ihi, 4));
+          }
+          const float d = a.dx[m * nkb + kb];
+          const __m256 ad = _mm256_mul_ps(av, _mm256_set1_ps(d));
+          if constexpr (ti.has_b) {
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), ad, acc[r]);
+            acc[r] = _mm256_fmadd_ps(bv, _mm256_set1_ps(a.dsx[m * ng + g]), acc[r]);
+          } else {
+            const __m256i shifted = _mm256_add_epi32(isum, _mm256_set1_epi32(a.osx[m * ng + g]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(shifted), ad, acc[r]);
+          }
+        }
+      }
+    }
+  }
+  const int64_t left = a.n - t * 16 - col;
+  for (int r = 0; r < MR; ++r) {
+    float* out = a.y + (m0 + r) * a.ldy + t * 16 + col;
+    if (left >= 8) {
+      _mm256_storeu_ps(out, acc[r]);
+    } else if (left > 0) {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, acc[r]);
+      for (int i = 0; i < left; ++i) out[i] = tmp[i];
+    }
+  }
+}
+
+template <int TYPE>
+void tiles(const Args& a, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int half = 0; half < 2; ++half) {
+      int64_t m = 0;  // rows 4 at a time, then the rest in one pass; the first pass over a tile fetches it
+      for (; m + 4 <= a.M; m += 4) rows_half<TYPE, 4>(a, t, half, m, m == 0 && half == 0);
+      switch (a.M - m) {
+        case 3: rows_half<TYPE, 3>(a, t, half, m, m == 0 && half == 0); break;
+        case 2: rows_half<TYPE, 2>(a, t, half, m, m == 0 && half == 0); break;
+        case 1: rows_half<TYPE, 1>(a, t, half, m, m == 0 && half == 0); break;
+        default: break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool qmm_avx2(int type, const Args& a, int64_t t0, int64_t t1) {
+  switch (type) {
+    case 0: tiles<0>(a, t0, t1); return true;
+    case 1: tiles<1>(a, t0, t1); return true;
+    case 2: tiles<2>(a, t0, t1); return true;
+    case 3: tiles<3>(a, t0, t1); return true;
+    case 4: tiles<4>(a, t0, t1); return true;
+    case 5: tiles<5>(a, t0, t1); return true;
+    case 6: tiles<6>(a, t0, t1); return true;
+    case 7: tiles<7>(a, t0, t1); return true;
+  }
+  return false;
+}
+
+}  // namespace qmm
+#pragma GCC pop_options
+#else
+namespace qmm {
+bool qmm_avx2(int, const Args&, int64_t, int64_t) { return false; }
+}  // namespace qmm
+#endif

@@ -1,0 +1,137 @@
+"""The CPU matmul for quantized weights (`kernels/cpu/`, C++): `y = x @ W.T` with W in models/ggml_blocks.py's
+packed tiles (a GGUF's own block types, Q4_0 .. Q6_K, as stored), read once per call whatever the number of
+rows x has.
+
+- The kernel (kernels/cpu/qmm*.cpp, built by setup.py at install as `specdec.kernels._qmm`, loaded here with
+  ctypes): x quantized to int8 a row at a time (blocks of 32, a float32 scale each: llama.cpp's Q8_0 rule);
+  for each tile of 16 output rows and 32 input columns the codes are unpacked once and multiplied by every row
+  of x in int32 (AVX-512 VNNI `vpdpbusd`, or AVX2 `vpmaddubsw`/`vpmaddwd`, or scalar C++), and each group's
+  scales applied in float32 in a fixed order (kernels/cpu/qmm_common.h). Every variant performs the same float
+  operations per output: a row's result is the same bits whatever else is in the call, whatever the thread
+  count, and on every instruction set. The threads are torch's (OpenMP, `torch.set_num_threads`).
+- `qmm_reference`: the same quantization of x in torch, then float64 sums over the dequantized groups: equal
+  to the kernel up to float32 rounding (the test's oracle), and the fallback where the kernel is not built.
+- `qmm`: validate, dispatch. `available()` says whether the kernel loaded, `unavailable_reason()` why not.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+ISAS = ("scalar", "avx2", "avx512-vnni")  # index = the kernel's instruction-set number
+XBLOCK = 32  # activations quantized in blocks of 32 columns
+
+
+@lru_cache(maxsize=1)
+def _library():
+    """(ctypes library or None, why not): the built kernel next to this file."""
+    here = Path(__file__).resolve().parent
+    found = sorted(here.glob("_qmm*.so")) + sorted(here.glob("_qmm*.pyd"))
+    if not found:
+        return None, (f"the CPU quantized kernel is not built (no {here}/_qmm*.so; `pip install -e .` builds it "
+                      f"with the machine's C++ compiler)")
+    try:
+        lib = ctypes.CDLL(str(found[0]))
+    except OSError as err:
+        return None, f"the CPU quantized kernel {found[0].name} does not load ({err})"
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.specdec_qmm.argtypes = [ctypes.c_int, ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64,
+                                i64]
+    lib.specdec_qmm.restype = ctypes.c_int
+    lib.specdec_qmm_isa.restype = ctypes.c_int
+    return lib, None
+
+
+def available() -> bool:
+    return _library()[0] is not None
+
+
+def unavailable_reason() -> str | None:
+    return _library()[1]
+
+
+def host_isa() -> str:
+    """The instruction set the kernel runs on this host ('scalar', 'avx2' or 'avx512-vnni')."""
+    lib = _library()[0]
+    return ISAS[lib.specdec_qmm_isa()] if lib is not None else "unavailable"
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class Weight:
+    """A packed weight (models/ggml_blocks.py's Packed) with the kernel's arguments for it worked out once: what
+    a layer keeps, so that a call costs the kernel and little more (a step makes ~130 of them)."""
+
+    __slots__ = ("packed", "n", "k", "type_id", "pointers")
+
+    def __init__(self, packed):
+        from specdec.models.ggml_blocks import TYPES
+
+        self.packed, self.n, self.k = packed, packed.n, packed.k
+        self.type_id = TYPES[packed.qtype].id
+        self.pointers = (_ptr(packed.codes), _ptr(packed.da), _ptr(packed.db), _ptr(packed.sa), _ptr(packed.sb),
+                         packed.codes.shape[0])
+
+
+def qmm(x: torch.Tensor, packed, isa: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (float32 or bfloat16, CPU) -> float32 [..., n]: x times the packed weight's transpose
+    (`packed`: a Packed, or its `Weight`). `isa`: force an instruction set ('scalar', 'avx2', 'avx512-vnni';
+    tests); default the host's best. `out`: a float32 [M, n] view to write (rows may be strided: a slice of a
+    wider output), returned."""
+    weight = packed if isinstance(packed, Weight) else Weight(packed)
+    packed = weight.packed
+    K = packed.k
+    if x.shape[-1] != K:
+        raise ValueError(f"qmm: x must be [..., {K}] (the weight's in features), got {tuple(x.shape)}")
+    if x.device.type != "cpu":
+        raise ValueError(f"qmm: the CPU kernel takes CPU tensors, got x on {x.device}")
+    lib, why = _library()
+    x2 = x.reshape(-1, K)  # [M, K]
+    if x2.dtype != torch.float32 or x2.stride(-1) != 1:
+        x2 = x2.to(torch.float32).contiguous()
+    M = x2.shape[0]
+    if out is not None and (out.shape != (M, packed.n) or out.dtype != torch.float32 or out.stride(1) != 1):
+        raise ValueError(f"qmm: out must be float32 [{M}, {packed.n}] with unit column stride")
+    if lib is None:
+        if isa is not None:
+            raise RuntimeError(why)
+        y = qmm_reference(x2, packed)
+        return y if out is None else out.copy_(y)
+    y = torch.empty(M, packed.n, dtype=torch.float32) if out is None else out  # [M, n]
+    isa_id = -1 if isa is None else ISAS.index(isa)
+    code = lib.specdec_qmm(weight.type_id, isa_id, x2.data_ptr(), M, K, x2.stride(0), *weight.pointers, y.data_ptr(),
+                           y.stride(0), packed.n)
+    if code == 2:
+        raise RuntimeError(f"qmm: this host cannot run instruction set {isa!r} (it runs {host_isa()!r})")
+    if code != 0:
+        raise ValueError(f"qmm: the kernel refused its arguments ({packed.qtype}, K {K}, n {packed.n})")
+    return y if out is not None else y.view(*x.shape[:-1], packed.n)
+
+
+def quantize_activations(x: torch.Tensor):
+    """x [M, K] -> (xq float64 [M, K] holding int8 values, dx float32 [M, K/32]): the kernel's rule (per block
+    of 32: dx = max |x| / 127, xq = round-half-even(x * (1 / dx)), 0 where dx is 0), in float32 as it does."""
+    M, K = x.shape
+    blocks = x.float().reshape(M, K // XBLOCK, XBLOCK)  # [M, K/32, 32]
+    dx = blocks.abs().amax(-1) / 127.0  # [M, K/32]
+    inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
+    xq = torch.round(blocks * inv[..., None])  # [M, K/32, 32]
+    return xq.reshape(M, K).double(), dx
+
+
+def qmm_reference(x: torch.Tensor, packed) -> torch.Tensor:
+    """The torch reference of `qmm`: x quantized as the kernel does, times the exactly dequantized weight, in
+    float64 (so it differs from the kernel only by the kernel's float32 roundings). float32 [..., n]."""
+    from specdec.models.ggml_blocks import dequantize
+
+    K = packed.k
+    x2 = x.reshape(-1, K)
+    xq, dx = quantize_activations(x2)  # [M, K], [M, K/32]
+    xs = (xq.reshape(x2.shape[0], -1, XBLOCK) * dx.double()[..., None]).reshape(x2.shape[0], K)  # [M, K] dequantized x
+    w = dequantize(packed).double()  # [n, K]
+    return (xs @ w.t()).float().view(*x.shape[:-1], packed.n)
