@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import (comma_ints, command_line, fmt_spread, interleave, log, machine, machine_line, md_table,
-                          write_json)
+                          pyplot, rss_mib, save_figure, write_json)
 from specdec.kernels import qmm_cpu
 from specdec.models import load_model
 from specdec.models.ggml_blocks import TYPES, decompose, pack
@@ -49,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--prefix", type=int, default=200, help="tokens already in the cache in part 2")
     p.add_argument("--forward-repeats", type=int, default=7, help="timed rounds per T in part 2")
     p.add_argument("--output", default=None, help="write every measurement as JSON here")
+    p.add_argument("--plot", default=None, help="draw part 1 (time by rows, each shape) to this PNG")
     return p.parse_args(argv)
 
 
@@ -117,15 +118,38 @@ def layers_table(results: list[dict]) -> str:
     return md_table(["shape", "rows", *[f"{m} ms (x 1 row)" for m in METHODS]], rows, right=range(1, 6))
 
 
-def forward_rows(args) -> list[dict]:
+def plot_layers(results: list[dict], path: str, title: str) -> str:
+    """Part 1 as one panel a shape: median ms against rows, each method, both axes logarithmic."""
+    plt = pyplot()
+    shapes = list(dict.fromkeys(r["shape"] for r in results))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(3.6 * len(shapes), 3.4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        mine = [r for r in results if r["shape"] == shape]
+        for method in METHODS:
+            ax.plot([r["rows"] for r in mine], [statistics.median(r[method]) for r in mine], marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{shape} {mine[0]['n']}x{mine[0]['k']} {mine[0]['qtype']}", fontsize=9)
+        ax.set_xlabel("rows (M)")
+    axes[0][0].set_ylabel("ms per call")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    return save_figure(fig, path)
+
+
+def forward_rows(args) -> tuple[list[dict], dict]:
+    """Part 2: ({tokens, ms} per T, the process's resident memory before and after loading the target)."""
+    before = rss_mib()
     model = load_model(args.target)
+    memory = {"rss_before_mib": before, "rss_after_mib": rss_mib(), "file_mib": os.path.getsize(args.target) / 2**20,
+              "weights_mib": sum(b.numel() * b.element_size() for b in (*model.buffers(), *model.parameters())) / 2**20}
     g = torch.Generator().manual_seed(0)
     prefix = random_tokens(1, args.prefix, model.vocab_size, g, "cpu")
     cache = PrefilledCache(model, prefix, args.prefix + max(args.tokens) + 1)
     xs = {t: random_tokens(1, t, model.vocab_size, g, "cpu") for t in args.tokens}
     with torch.no_grad():
         times = interleave({t: (lambda t=t: cache.time(xs[t])) for t in args.tokens}, args.forward_repeats, warmup=1)
-    return [{"tokens": t, "ms": [1e3 * s for s in times[t]]} for t in args.tokens]
+    return [{"tokens": t, "ms": [1e3 * s for s in times[t]]} for t in args.tokens], memory
 
 
 def forward_table(results: list[dict]) -> str:
@@ -147,10 +171,17 @@ def main(argv=None) -> None:
         if not args.skip_layers:
             record["layers"] = [r for name, n, k, qtype in QWEN_SHAPES for r in layer_rows(name, n, k, qtype, args)]
             print(layers_table(record["layers"]) + "\n")
+            if args.plot:
+                print(f"plot: {plot_layers(record['layers'], args.plot, machine_line())}\n")
         if args.target:
             record["target"] = os.path.basename(args.target)
-            record["forward"] = forward_rows(args)
-            print(f"{record['target']} as loaded, forward on a {args.prefix}-token prefix:\n")
+            record["forward"], memory = forward_rows(args)
+            record["memory"] = memory
+            print(f"{record['target']} as loaded: resident memory {memory['rss_before_mib']:.0f} MiB before loading, "
+                  f"{memory['rss_after_mib']:.0f} after (+{memory['rss_after_mib'] - memory['rss_before_mib']:.0f}: "
+                  f"{(memory['rss_after_mib'] - memory['rss_before_mib']) / memory['file_mib']:.2f}x the file's "
+                  f"{memory['file_mib']:.0f}; weights {memory['weights_mib']:.0f} MiB)\n")
+            print(f"forward on a {args.prefix}-token prefix:\n")
             print(forward_table(record["forward"]))
     if args.output:
         write_json(args.output, record)
