@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from specdec.flags import HelpFormatter  # noqa: F401  (the benchmarks' --help, as the programs')
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -137,15 +139,6 @@ def parse_with_quick(parser: argparse.ArgumentParser, quick: dict, argv=None) ->
     if parser.parse_known_args(argv)[0].quick:
         parser.set_defaults(**quick)
     return parser.parse_args(argv)
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows '(default: X)' only where there is a plain default (None/False ones are explained in the text)."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False):
-            return action.help
-        return super()._get_help_string(action)
 
 
 # ---------------------------------------------------------------------------------------------- prompts

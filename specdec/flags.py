@@ -24,18 +24,32 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with '(default: X)' only where there is a plain default: a None or False default is said in the
+    flag's own text (argparse's formatter printed '(default: None)' after 15 of specdec.run's flags)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _integer(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _integer(text, 1)
 
 
 def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _integer(text, 0)
 
 
 def port_number(text: str) -> int:
@@ -193,6 +207,9 @@ def checkpoint_pair(args) -> tuple[str, str | None, bool]:
         if str(path).endswith(".gguf"):
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{name} {path}: GGUF file not found")
+        elif os.path.isfile(path):
+            raise FileNotFoundError(f"{name} {path}: a file that is not a .gguf; give a checkpoint directory (HF "
+                                    f"safetensors) or a .gguf file")
         elif not os.path.isdir(path):
             raise FileNotFoundError(f"{name} {path}: checkpoint directory not found")
     return target, draft, default_pair

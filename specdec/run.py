@@ -20,7 +20,8 @@ import sys
 import threading
 
 from .distributed import add_arguments as add_ray_arguments, wants_ray
-from .flags import Parser, add_engine_arguments, add_threads_argument, build_llm, checkpoint_pair, positive_int
+from .flags import (HelpFormatter, Parser, add_engine_arguments, add_threads_argument, build_llm, checkpoint_pair,
+                    positive_int)
 from .output import JsonlOutput, check_paths
 from .prompts import DEFAULT_PROMPTS, read_prompts
 from .summary import metrics_row, summary_table
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m specdec.run",
         description="Batch speculative decoding (exact EQSPEC / EXSPEC / ragged) on Llama/Vicuna, Qwen3 and "
                     "GLM-4 checkpoints. Without --target/--draft it uses the embedded default pair.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     add_engine_arguments(p)
     add_threads_argument(p)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")

@@ -83,6 +83,18 @@ def test_text_prompts_and_sampling(pair):
     assert "| exspec |" in result.stdout
 
 
+def test_the_summary_names_the_weights_format(pair):
+    """A quantized run's summary says what its weights are, not `dtype float32` (a newcomer's report, issue 51)."""
+    target, draft, _ = pair
+    plain = cli("--target", target, "--method", "ar", "--prompt", "w1 w2", "--max-tokens", "4", "--no-progress")
+    assert plain.returncode == 0, plain.stderr
+    assert "; dtype float32, device" in plain.stdout
+    quantized = cli("--target", target, "--method", "ar", "--prompt", "w1 w2", "--max-tokens", "4", "--no-progress",
+                    "--quantize", "int4")
+    assert quantized.returncode == 0, quantized.stderr
+    assert "; weights Q4_1+Q8_0 (--quantize int4), activations float32, device" in quantized.stdout, quantized.stdout
+
+
 @pytest.mark.parametrize("args,message", [
     (["--target", "/nonexistent/t", "--draft", "/nonexistent/d"], "--target /nonexistent/t: checkpoint directory not found"),
     (["--prompts", "/nonexistent/p.txt"], "/nonexistent/p.txt: prompt file not found"),
@@ -119,6 +131,18 @@ def test_help_explains_every_flag():
                  "--temperature", "--top-k", "--top-p", "--seed", "--dtype", "--device", "--output", "--compare-ar",
                  "--check-invariants", "--chat"):
         assert flag in result.stdout
+    assert "(default: None)" not in result.stdout and "(default: False)" not in result.stdout  # said in the text
+
+
+def test_a_bad_integer_and_a_file_for_a_checkpoint_are_one_plain_line(tmp_path):
+    """Not argparse's `invalid positive_int value`, nor 'checkpoint directory not found' for a file that exists."""
+    result = cli("--batch-size", "two")
+    assert result.returncode == 2 and "--batch-size: must be an integer >= 1, got 'two'" in result.stderr
+    assert "positive_int" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    readme = tmp_path / "README.md"
+    readme.write_text("# not a model\n")
+    result = cli("--target", str(readme))
+    assert result.returncode == 2 and "a file that is not a .gguf" in result.stderr, result.stderr
 
 
 # --------------------------------------------------------------------------- issue 12: --output, signals, devices

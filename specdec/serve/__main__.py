@@ -11,8 +11,8 @@ import logging
 import os
 import sys
 
-from specdec.flags import (Parser, add_engine_arguments, add_threads_argument, build_llm, checkpoint_pair, port_number,
-                           positive_int)
+from specdec.flags import (HelpFormatter, Parser, add_engine_arguments, add_threads_argument, build_llm,
+                           checkpoint_pair, port_number, positive_int)
 
 DEFAULT_MODEL_NAME = "default"  # the embedded pair's name, when --served-model-name is not given
 
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health, "
                     "/metrics) streaming speculative decoding. Without --target/--draft it serves the embedded "
                     "default pair.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on (0: any free one)")
     p.add_argument("--served-model-name", help="the model name clients send and /v1/models lists (default: the "
