@@ -22,6 +22,7 @@ from .metrics import RunMetrics
 from .options import AUTO, EngineOptions, positions_needed
 from .memory import HEADROOM, available_bytes
 from .prefix_cache import GIB, PrefixCache, budget_bytes
+from .prompts import DEFAULT_DRAFT, DEFAULT_TARGET
 from .proposers import LOOKUPS, CombinedProposer, ModelProposer, NgramProposer, SuffixProposer, SuffixStore
 from .sampling import SamplingParams
 from .schedulers import SCHEDULERS, SPECULATIVE
@@ -61,8 +62,9 @@ def _has_tokenizer(path) -> bool:
 class LLM:
     """Batch speculative decoding engine.
 
-    target, draft: checkpoint directories (Llama/Vicuna, Qwen3, GLM-4 in HF format) or model objects
-    meeting the protocol of docs/api.md; `draft` may also name a drafter that needs no model: "ngram"
+    target, draft: checkpoint directories (Llama/Vicuna, Qwen3, GLM-4 in HF format), GGUF files, or model objects
+    meeting the protocol of docs/api.md; `LLM()` without a target runs the embedded default pair (the toy
+    15.7M/3.6M pair `python -m specdec.run` runs without flags); `draft` may also name a drafter that needs no model: "ngram"
     (prompt lookup) or "suffix" (suffix decoding). Without a draft, a speculative method uses the draft
     specdec ships for the target, or else "suffix". method: "ar", "eqspec", "ragged" or "exspec".
     lookup: "ngram" or "suffix" beside a draft model: a row takes the lookup's drafts where it has at least
@@ -81,7 +83,7 @@ class LLM:
     every step (synchronises; off by default). The other options: docs/api.md.
     """
 
-    def __init__(self, target, draft=None, method: str = "eqspec", num_speculative_tokens: int | str = "auto",
+    def __init__(self, target=None, draft=None, method: str = "eqspec", num_speculative_tokens: int | str = "auto",
                  batch_size: int = 8, dtype=None, device="auto", check_invariants: bool | None = None,
                  kernel_backend: str | None = None, window_size: int = 48, max_wait_steps: int = 8,
                  tokenizer=None, check_weights: bool = False, max_speculative_tokens: int = 8,
@@ -136,6 +138,11 @@ class LLM:
         if isinstance(suffix_store_tokens, bool) or not isinstance(suffix_store_tokens, int) or suffix_store_tokens < 0:
             raise ValueError(f"suffix_store_tokens must be an int >= 0, got {suffix_store_tokens!r}")
         self.quantize = {"target": check_format(quantize), "draft": check_format(draft_quantize)}
+        if target is None:  # the embedded default pair, as the command line runs it without --target
+            if draft is not None:
+                raise ValueError("draft= needs target= (or give neither: the embedded default pair)")
+            target = DEFAULT_TARGET
+            draft = DEFAULT_DRAFT if speculative and proposer is None else None
         self.target = self._model(target, dtype, self.quantize["target"])
         if speculative and draft is None and proposer is None:
             draft = shipped_draft(self.target)

@@ -120,8 +120,23 @@ def test_auto_on_cuda_switches_an_llm_s_models(llama_pair, monkeypatch, tmp_path
     assert not ar.batch_invariant_choice.on and "ar" in ar.batch_invariant_choice.reason
 
 
-def test_the_real_measurement_restores_the_mode(llama_pair):
+def test_the_real_measurement_restores_the_mode(llama_pair, monkeypatch):
+    """measure_cost times each (T, mode) pair, keeps the fastest round of each, and pairs them (on, off). Injected
+    faults this catches: the pair swapped (off, on), the slowest round kept instead of the fastest, a mode left
+    switched on afterwards, the forwards timed in the wrong mode or at another row count or T."""
     target = load_model(llama_pair[0])
-    times = bi_mode.measure_cost(target, 2, [1, 3], context=8, repeats=1, rounds=1)
+    times = bi_mode.measure_cost(target, 2, [1, 3], context=8, repeats=1, rounds=1)  # the real forwards run
     assert set(times) == {1, 3} and all(on > 0 and off > 0 for on, off in times.values())
+    assert target.batch_invariant is False
+    seen = []
+
+    def fake_time_forward(model, rows, new_tokens, context, repeats, logits="all", **kw):
+        seen.append((rows, new_tokens, model.batch_invariant))
+        base = {1: 0.010, 3: 0.030}[new_tokens] * (2.0 if model.batch_invariant else 1.0)
+        return base * (1 + len(seen) % 3), 0.0  # rounds differ: the fastest one must count
+
+    monkeypatch.setattr(bi_mode.timing, "time_forward", fake_time_forward)
+    times = bi_mode.measure_cost(target, 2, [1, 3], context=8, repeats=1, rounds=3)
+    assert times == {1: (0.020, 0.010), 3: (0.060, 0.030)}  # (with the mode, without), the fastest of 3 rounds
+    assert {(rows, t) for rows, t, _ in seen} == {(2, 1), (2, 3)} and len(seen) == 12
     assert target.batch_invariant is False

@@ -43,9 +43,25 @@ def test_a_compile_mode_enters_as_options(pair):
     is the one capture mechanism)."""
     from specdec.models import load_model
 
+    from torch._inductor import list_mode_options
+
     model = load_model(pair[0], dtype="float64")
-    model.compile_forward("max-autotune-no-cudagraphs")  # torch.compile is lazy: nothing compiles until a call
+    seen = []
+    real_compile = torch.compile
+
+    def spy(fn, **kwargs):  # injected faults this catches: `mode=` passed beside `options=` (torch refuses the
+        seen.append(kwargs)  # pair), or the mode's own options dropped on the way in
+        assert not ("mode" in kwargs and "options" in kwargs), "torch.compile takes a mode or options, not both"
+        return real_compile(fn, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "compile", spy)
+        model.compile_forward("max-autotune-no-cudagraphs")  # torch.compile is lazy: nothing compiles until a call
     assert model.compiled_forward is not None and model._compile_mode == "max-autotune-no-cudagraphs"
+    assert len(seen) == 1 and "mode" not in seen[0]
+    options = seen[0]["options"]
+    assert list_mode_options("max-autotune-no-cudagraphs").items() <= options.items()  # the mode, as options
+    assert options.get("emulate_precision_casts") is True
     with pytest.raises(ValueError, match="captures CUDA graphs"):
         model.compile_forward("reduce-overhead")
 

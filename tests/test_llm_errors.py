@@ -95,3 +95,17 @@ def test_api_types_are_checked_at_the_door(pair):
         llm.generate(prompt_token_ids=[[5, 6]], sampling_params={"max_tokens": 3})
     with pytest.raises(TypeError, match=r"sampling_params\[1\] must be a SamplingParams"):
         llm.generate(prompt_token_ids=[[5, 6], [7]], sampling_params=[SamplingParams(), None])
+
+
+def test_llm_without_a_target_runs_the_embedded_pair():
+    """`LLM()` reaches the embedded pair the command line runs without flags (a newcomer's report, issue 51: it
+    was a TypeError); a draft without a target is refused in one line."""
+    from specdec.prompts import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    llm = LLM(batch_size=2, num_speculative_tokens=2)
+    assert llm.specs == (DEFAULT_TARGET, DEFAULT_DRAFT) and llm.draft is not None
+    out = llm.generate(["def add(a, b):"], SamplingParams(max_tokens=6, temperature=0.0))
+    ar = LLM(method="ar").generate(["def add(a, b):"], SamplingParams(max_tokens=6, temperature=0.0))
+    assert out[0].token_ids == ar[0].token_ids and len(out[0].token_ids) == 6
+    with pytest.raises(ValueError, match="draft= needs target="):
+        LLM(draft="suffix")

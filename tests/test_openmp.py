@@ -1,6 +1,7 @@
 """CPU threads of the command-line programs (specdec/openmp.py): a bounded spin before torch loads OpenMP,
 unless the environment chose a policy; `--threads auto` keeps more threads only where they measure faster."""
 import os
+import re
 import subprocess
 import sys
 
@@ -90,5 +91,12 @@ def test_apply_threads_on_a_model(restore_threads, llama_pair):
     model = load_model(llama_pair[0])
     assert openmp.apply_threads("1", model) == "torch threads 1" and torch.get_num_threads() == 1
     torch.set_num_threads(2)
-    line = openmp.apply_threads("auto", model)  # really timed: either count may win on a shared machine
-    assert line.startswith(f"torch threads {torch.get_num_threads()} (--threads auto: a decode step at 1: ")
+    line = openmp.apply_threads("auto", model)  # really timed: either count may win on a shared machine, but
+    # the line must report the count the rule picks from the medians it prints, and leave torch at that count
+    # (injected faults this catches: the slower count kept, the MARGIN rule reversed, torch left at another count,
+    # a count missing from the line)
+    m = re.fullmatch(r"torch threads (\d+) \(--threads auto: a decode step at 1: ([\d.]+) ms, 2: ([\d.]+) ms\)", line)
+    assert m, line
+    best, one, two = int(m[1]), float(m[2]), float(m[3])
+    assert best == torch.get_num_threads()
+    assert best == (2 if two < (1 - openmp.MARGIN) * one else 1), line

@@ -23,7 +23,24 @@ def test_forwards_on_a_prefilled_cache_see_the_prefix_every_time():
         torch.testing.assert_close(first, whole[:, 12:], rtol=1e-4, atol=1e-4)
 
 
-def test_time_forward_reports_a_median_and_the_warm_up():
+def test_time_forward_reports_the_median_of_the_timed_forwards_and_not_the_warm_up(monkeypatch):
+    """Injected faults this catches: time_forward returning the mean (or the first, or the last) of its timed
+    forwards instead of their median, or counting the warm-up forward among them, or leaving the prefill and the
+    warm-up out of the warm-up seconds. The forwards' times are injected; the prefill and warm-up really run."""
+    import specdec.timing as timing
+
     model = load_model(DEFAULT_TARGET, dtype="float32")
-    median, warm_up = time_forward(model, rows=2, new_tokens=2, context=8, repeats=3)
-    assert median > 0 and warm_up > 0
+    fake = iter([9.0, 0.5, 0.1, 0.4, 7.0])  # the warm-up (9 s), then 4 timed forwards: median 0.45, mean 2.0
+    real_time = timing.PrefilledCache.time
+    calls = []
+
+    def time(self, x, logits="all"):
+        real_time(self, x, logits)  # the forward runs (and rewinds) as it would
+        calls.append(x.shape)
+        return next(fake)
+
+    monkeypatch.setattr(timing.PrefilledCache, "time", time)
+    median, warm_up = time_forward(model, rows=2, new_tokens=2, context=8, repeats=4)
+    assert median == 0.45  # the median of 0.5, 0.1, 0.4, 7.0: neither the mean (2.0) nor with the warm-up's 9 s
+    assert calls == [(2, 2)] * 5  # one warm-up, then `repeats` forwards, each of rows x new_tokens
+    assert 0 < warm_up < 9.0  # measured around the prefill and the warm-up forward, not the injected seconds
