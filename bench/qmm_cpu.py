@@ -72,7 +72,8 @@ def copies_for(nbytes: int) -> int:
 def layer_rows(name: str, n: int, k: int, qtype: str, args) -> list[dict]:
     """Part 1 for one shape: {method: median ms} per row count."""
     log("layers", f"{name} {n} x {k} ({qtype}): building weight copies")
-    ours = [random_packed(qtype, n, k, seed) for seed in range(copies_for(random_packed(qtype, 16, k, 0).nbytes * n // 16))]
+    tile_bytes = random_packed(qtype, 16, k, 0).nbytes  # one 16-row tile's
+    ours = [random_packed(qtype, n, k, seed) for seed in range(copies_for(tile_bytes * n // 16))]
     codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
     int4 = [(torch._convert_weight_to_int4pack_for_cpu(codes, 2), torch.randn(k // 32, n, 2).bfloat16())
             for _ in range(copies_for(n * k // 2))]
@@ -95,7 +96,8 @@ def layer_rows(name: str, n: int, k: int, qtype: str, args) -> list[dict]:
             return run
 
         calls = {"ours": cycle("ours", ours, lambda p: qmm_cpu.qmm(x, p)),
-                 "torch int4": cycle("torch int4", int4, lambda w: torch._weight_int4pack_mm_for_cpu(xb, w[0], 32, w[1])),
+                 "torch int4": cycle("torch int4", int4,
+                                     lambda w: torch._weight_int4pack_mm_for_cpu(xb, w[0], 32, w[1])),
                  "torch int8": cycle("torch int8", int8, lambda w: torch._weight_int8pack_mm(xb, w[0], w[1])),
                  "dense bf16": cycle("dense bf16", dense, lambda w: F.linear(xb, w))}
         times = interleave(calls, args.repeats, warmup=2)
@@ -155,7 +157,8 @@ def forward_rows(args) -> tuple[list[dict], dict]:
 def forward_table(results: list[dict]) -> str:
     one = statistics.median(results[0]["ms"])
     return md_table(["new tokens", "forward ms", "x 1 token"],
-                    [[str(r["tokens"]), fmt_spread(r["ms"]), f"{statistics.median(r['ms']) / one:.2f}"] for r in results],
+                    [[str(r["tokens"]), fmt_spread(r["ms"]), f"{statistics.median(r['ms']) / one:.2f}"]
+                     for r in results],
                     right=(0, 1, 2))
 
 

@@ -13,8 +13,8 @@ decomposed into its exact blocks a chunk of rows at a time and packed for kernel
 `BlockLinear`), never dequantized; for the GPU layout (`quantize="int4"` on CUDA), Q4_0, Q4_1 and Q4_K tensors
 are taken as int4 codes (`int4_codes`). llama.cpp's
 converter permutes the rows of a llama model's Q and K projections (it rotates adjacent pairs, HF rotates
-halves); `unpermute_rows` undoes that, on codes, scales and zeros (and decomposed blocks) alike. A file without `output.weight`
-ties the head to the embedding.
+halves); `unpermute_rows` undoes that, on codes, scales and zeros (and decomposed blocks) alike. A file
+without `output.weight` ties the head to the embedding.
 
 Every tensor's name, type, shape, extent in the file and first row (dequantized) are checked before any
 weight is written into the model: a truncated file, an unknown or undequantizable type, an unsupported

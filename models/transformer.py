@@ -504,7 +504,8 @@ class Transformer(nn.Module):
         """Compile `forward_tensors` with torch.compile (inductor's kernels; a mode that captures CUDA graphs, such
         as "reduce-overhead", is refused: `use_graphs` is the one capture mechanism). The batch, step-length
         and capacity dimensions are marked dynamic, so one compilation serves every batch size and step length
-        (a size of 1 gets its own graph, as torch.compile always specialises it: at most four graphs per model); attention runs over the cache's full width so that
+        (a size of 1 gets its own graph, as torch.compile always specialises it: at most four graphs per model);
+        attention runs over the cache's full width so that
         no shape depends on the rows' lengths. Results equal the eager forward's up to rounding (inductor's
         float32 rsqrt differs from eager's in the last bit; the RoPE table is built eagerly, outside the graph;
         token-exact in float64 in our tests)."""

@@ -215,8 +215,9 @@ def forward_variant(model) -> str:
     compiled = getattr(model, "compiled_forward", None) is not None and not invariant  # the mode runs eager
     packed = bool(getattr(model, "packed_linear", False)) and not invariant and not compiled
     quantized = getattr(model, "quantize", None)  # int8 / int4 weights (models/quant.py) cost other times
-    return ("compiled" if compiled else "eager") + ("+graphs" if graphs else "") + ("+batch-invariant" if invariant else "") + (
-        "+packed" if packed else "") + (f"+{quantized}" if quantized else "")
+    parts = ["compiled" if compiled else "eager", "+graphs" if graphs else "", "+batch-invariant" if invariant else "",
+             "+packed" if packed else "", f"+{quantized}" if quantized else ""]
+    return "".join(parts)
 
 
 def cache_key(target_id: str, draft_id: str, dtype, device, batch_size: int, k_max: int, context: int,

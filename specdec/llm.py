@@ -62,11 +62,11 @@ def _has_tokenizer(path) -> bool:
 class LLM:
     """Batch speculative decoding engine.
 
-    target, draft: checkpoint directories (Llama/Vicuna, Qwen3, GLM-4 in HF format), GGUF files, or model objects
-    meeting the protocol of docs/api.md; `LLM()` without a target runs the embedded default pair (the toy
-    15.7M/3.6M pair `python -m specdec.run` runs without flags); `draft` may also name a drafter that needs no model: "ngram"
-    (prompt lookup) or "suffix" (suffix decoding). Without a draft, a speculative method uses the draft
-    specdec ships for the target, or else "suffix". method: "ar", "eqspec", "ragged" or "exspec".
+    target, draft: checkpoint directories (Llama/Vicuna, Qwen3, GLM-4 in HF format), GGUF files, or model
+    objects meeting the protocol of docs/api.md; `LLM()` without a target runs the embedded default pair (the
+    toy 15.7M/3.6M pair `python -m specdec.run` runs without flags); `draft` may also name a drafter that needs
+    no model: "ngram" (prompt lookup) or "suffix" (suffix decoding). Without a draft, a speculative method uses
+    the draft specdec ships for the target, or else "suffix". method: "ar", "eqspec", "ragged" or "exspec".
     lookup: "ngram" or "suffix" beside a draft model: a row takes the lookup's drafts where it has at least
     `lookup_min_match` of them. ngram_min/ngram_max: the n-gram sizes prompt lookup matches;
     suffix_store_tokens: the cross-request suffix store's size (0: each request drafts from its own text).

@@ -74,7 +74,8 @@ def test_a_replay_after_the_tables_regrow_reads_the_live_tables(target, standin)
     eager_forward(target, ids, eager)
     for t in range(4):
         step = torch.tensor([[9 + t], [10 + t]])
-        torch.testing.assert_close(target.forward(step, graphed), eager_forward(target, step, eager), rtol=0, atol=1e-12)
+        torch.testing.assert_close(target.forward(step, graphed), eager_forward(target, step, eager), rtol=0,
+                                   atol=1e-12)
     assert standin.replays >= 1
     target.forward(torch.tensor([[5, 6, 7]]), target.new_cache(1, 400))  # the tables regrow to 400+ positions
     step = torch.tensor([[20], [21]])

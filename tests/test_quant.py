@@ -262,7 +262,8 @@ def test_speculative_equals_quantized_ar(quantized_pair, gguf_target, fmt, dtype
         kwargs["batch_invariant"] = True
     reference = [o.token_ids for o in LLM(target, method="ar", batch_size=1, **kwargs).generate(
         prompt_token_ids=ids, sampling_params=PARAMS)]
-    cases = [("eqspec", draft, 3, 4, {"draft_quantize": "int8" if fmt == "gguf" else fmt}), ("ragged", draft, "auto", 3, {}),
+    cases = [("eqspec", draft, 3, 4, {"draft_quantize": "int8" if fmt == "gguf" else fmt}),
+             ("ragged", draft, "auto", 3, {}),
              ("exspec", draft, 2, 2, {}), ("ragged", "suffix", "auto", 4, {}), ("eqspec", "ngram", 4, 3, {})]
     for method, drafter, k, batch, extra in cases:
         llm = LLM(target, drafter, method=method, num_speculative_tokens=k, batch_size=batch,

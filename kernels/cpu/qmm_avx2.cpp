@@ -82,10 +82,12 @@ void rows_half(const Args& a, int64_t t, int half, int64_t m0, bool prefetch) {
           const int64_t m = m0 + r;
           const int8_t* xr = a.xq + m * K + kb * 32 + h * G;
           __m256i isum = _mm256_setzero_si256();
-          for (int c = 0; c < G / 4; ++c) isum = _mm256_add_epi32(isum, dot4(lo[h * (G / 4) + c], load_i32(xr + 4 * c)));
+          for (int c = 0; c < G / 4; ++c)
+            isum = _mm256_add_epi32(isum, dot4(lo[h * (G / 4) + c], load_i32(xr + 4 * c)));
           if constexpr (ti.bits == 8) {
             __m256i ihi = _mm256_setzero_si256();
-            for (int c = 0; c < G / 4; ++c) ihi = _mm256_add_epi32(ihi, dot4(hi[h * (G / 4) + c], load_i32(xr + 4 * c)));
+            for (int c = 0; c < G / 4; ++c)
+              ihi = _mm256_add_epi32(ihi, dot4(hi[h * (G / 4) + c], load_i32(xr + 4 * c)));
             isum = _mm256_add_epi32(isum, _mm256_slli_epi32(ihi, 4));
           }
           const float d = a.dx[m * nkb + kb];
