@@ -28,7 +28,7 @@ from bench.common import (comma_ints, command_line, fmt_spread, interleave, log,
                           pyplot, rss_mib, save_figure, write_json)
 from specdec.kernels import qmm_cpu
 from specdec.models import load_model
-from specdec.models.ggml_blocks import TYPES, decompose, pack
+from specdec.models.ggml_blocks import F16_FIELDS, TYPES, decompose, pack
 from specdec.timing import PrefilledCache, random_tokens
 
 # (name, N, K, block type) of Qwen2.5-1.5B-Instruct's Q4_K_M file
@@ -60,7 +60,7 @@ def random_packed(qtype: str, n: int, k: int, seed: int):
     nb = k // bt.superblock
     raw = rng.integers(0, 256, (n, nb, bt.block_bytes), dtype=np.uint8)
     d = (rng.uniform(0.5, 1.0, (n, nb)) * 2.0 ** -10).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
-    for at in {"Q6_K": (208,)}.get(qtype, (0, 2) if bt.has_b else (0,)):
+    for at in F16_FIELDS[qtype]:
         raw[..., at: at + 2] = d
     return pack(decompose(raw.reshape(n, -1), qtype), qtype)
 

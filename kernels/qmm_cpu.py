@@ -124,14 +124,18 @@ def quantize_activations(x: torch.Tensor):
     return xq.reshape(M, K).double(), dx
 
 
+def activations_as_multiplied(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> float64 [M, K]: the values the kernel multiplies by, xq * dx (`quantize_activations`)."""
+    M, K = x.shape
+    xq, dx = quantize_activations(x)  # [M, K], [M, K/32]
+    return (xq.reshape(M, -1, XBLOCK) * dx.double()[..., None]).reshape(M, K)
+
+
 def qmm_reference(x: torch.Tensor, packed) -> torch.Tensor:
     """The torch reference of `qmm`: x quantized as the kernel does, times the exactly dequantized weight, in
     float64 (so it differs from the kernel only by the kernel's float32 roundings). float32 [..., n]."""
     from specdec.models.ggml_blocks import dequantize
 
-    K = packed.k
-    x2 = x.reshape(-1, K)
-    xq, dx = quantize_activations(x2)  # [M, K], [M, K/32]
-    xs = (xq.reshape(x2.shape[0], -1, XBLOCK) * dx.double()[..., None]).reshape(x2.shape[0], K)  # [M, K] dequantized x
+    xs = activations_as_multiplied(x.reshape(-1, packed.k))  # [M, K]
     w = dequantize(packed).double()  # [n, K]
     return (xs @ w.t()).float().view(*x.shape[:-1], packed.n)

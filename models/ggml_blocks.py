@@ -72,6 +72,12 @@ TYPES: dict[str, BlockType] = {t.name: t for t in (
 )}
 
 
+# byte offsets of each block's float16 fields (d first, then dmin or m): what a random valid block overwrites
+# (tests/test_ggml_blocks.py, bench/qmm_cpu.py), since random bytes there could be NaN or infinite
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+              "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
 class Decomposed(NamedTuple):
     u: torch.Tensor  # uint8 [N, K]
     da: torch.Tensor  # float16 [N, K/SB]

@@ -159,9 +159,9 @@ def gated_mlp(gate_up: nn.Linear, down: nn.Linear, x, residual, invariant: bool,
     return linear_add(down, silu(gate, invariant) * up, residual, invariant, backend, packed)
 
 
-def layer_dtype(layer: QuantLinear) -> torch.dtype:
+def layer_dtype(layer) -> torch.dtype | None:
     """The dtype a quantized layer's kernel computes in (bfloat16 on the CPU; the activations' elsewhere)."""
-    return COMPUTE_DTYPE if layer.on_cpu else None
+    return COMPUTE_DTYPE if isinstance(layer, QuantLinear) and layer.on_cpu else None
 
 
 def _packed_path(x) -> bool:

@@ -193,16 +193,13 @@ class BlockLinear(nn.Module):
     of one type (a fused q/k/v whose v is Q6_K and q, k Q4_K has two). Where the kernel is not built, a
     float32 copy of W is made once (the loader says so in one line) and multiplied by torch."""
 
-    on_cpu = False  # not torch's CPU int4/int8 kernels: models/numerics.py's generic path, x's dtype
-
     def __init__(self, parts: list[tuple[int, Packed]], bias: torch.Tensor | None = None, fmt: str = AS_STORED):
         super().__init__()
         self.format = fmt
-        self.parts = list(parts)
-        self.out_features = sum(p.n for _, p in self.parts)
-        self.in_features = self.parts[0][1].k
+        self.out_features = sum(p.n for _, p in parts)
+        self.in_features = parts[0][1].k
         first = 0
-        for i, (row, p) in enumerate(self.parts):
+        for i, (row, p) in enumerate(parts):
             if row != first or p.k != self.in_features:
                 raise ValueError(f"BlockLinear: part {i} starts at row {row} with {p.k} columns; expected row "
                                  f"{first} and {self.in_features}")
@@ -211,8 +208,12 @@ class BlockLinear(nn.Module):
                 if getattr(p, field) is not None:
                     self.register_buffer(f"part{i}_{field}", getattr(p, field), persistent=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.weights = [(row, qmm_cpu.Weight(p)) for row, p in self.parts]  # the kernel's arguments, once
+        self.weights = [(row, qmm_cpu.Weight(p)) for row, p in parts]  # each part with the kernel's arguments
         self.float_weight = None  # the fallback's float32 copy (kernel not built)
+
+    @property
+    def parts(self) -> list[tuple[int, Packed]]:
+        return [(row, w.packed) for row, w in self.weights]
 
     def extra_repr(self) -> str:
         types = "+".join(p.qtype for _, p in self.parts)
@@ -291,7 +292,7 @@ class QuantEmbedding(nn.Module):
 
 def linear_weight(layer: nn.Module, dtype=None) -> torch.Tensor:
     """A linear layer's weight [N, K] as floats (dequantized for a `QuantLinear` or `BlockLinear`)."""
-    if isinstance(layer, (QuantLinear, BlockLinear)):
+    if isinstance(layer, QUANTIZED_LINEAR):
         return layer.dequantize(dtype or torch.float32)
     return layer.weight if dtype is None else layer.weight.to(dtype)
 

@@ -8,15 +8,10 @@ import pytest
 import torch
 
 from specdec.models import ggml_blocks as G
-from specdec.models.ggml_blocks import (TYPES, Decomposed, compose, decompose, dequantize, dequantize_rows, pack,
-                                        quantize_rows, unpack)
+from specdec.models.ggml_blocks import (F16_FIELDS, TYPES, Decomposed, compose, decompose, dequantize,
+                                        dequantize_rows, pack, quantize_rows, unpack)
 
 gguf = pytest.importorskip("gguf")
-
-# byte offsets of each block's float16 fields (d, and dmin or m): overwritten with finite values
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-              "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-
 
 def random_f16(rng, shape):
     """Finite float16 values of moderate size, both signs, with some zeros and some subnormals."""
