@@ -58,14 +58,11 @@ def measure(rows: int, length: int, prompt: int, threads: int) -> dict:
 
     from models.config import ModelConfig
     from models.transformer import Transformer
-    from specdec.batch import DecodeContext
-    try:
-        from specdec.speculative import prefill
-    except ImportError:  # before the prefill moved out of batch.py
-        from specdec.batch import prefill
+    from specdec.batch import DRAFT_LAG, DecodeContext
+    from specdec.prefill import prefill
     from specdec.metrics import PhaseTimer, RunMetrics
     from specdec.models.cache import LEFT_PADDED
-    from specdec.options import EngineOptions
+    from specdec.options import Options
     from specdec.request import Request
     from specdec.sampling import SamplingParams
     from specdec.schedulers import SCHEDULERS
@@ -81,7 +78,7 @@ def measure(rows: int, length: int, prompt: int, threads: int) -> dict:
 
     target, draft = model(MODEL), model(DRAFT)
     k = 4
-    options = EngineOptions(num_speculative_tokens=k)
+    options = Options.build(num_speculative_tokens=k)
     metrics = RunMetrics("eqspec", rows)
     ctx = DecodeContext(target, draft, options, MODEL["vocab_size"], torch.device("cpu"), metrics,
                         PhaseTimer(metrics, "cpu"), proposer=object())  # a proposer: k_max = k
@@ -97,7 +94,7 @@ def measure(rows: int, length: int, prompt: int, threads: int) -> dict:
         for r, s in zip(requests, seqs):
             r.commit([5] * (s - r.sequence_length))
         longest = max(seqs) - 1
-        for cache, lag in ((batch.target_cache, 1), (batch.draft_cache, 2)):
+        for cache, lag in ((batch.target_cache, 1), (batch.draft_cache, DRAFT_LAG)):
             cache.k.normal_()
             cache.v.normal_()
             lengths = [s - lag for s in seqs]

@@ -315,8 +315,8 @@ def test_bi_rms_norm(benchmark, dtype, rows, residual, impl):
 
 
 # ------------------------------------------------------------------------------ weight-only quantized matmul
-# impl "kernel" (Triton, CUDA), "reference" (dequantize, then matmul), "cpu" (torch's packed weight-only
-# kernels), "bf16" (F.linear on a bfloat16 copy: the float baseline); M = B * (k + 1) rows
+# impl "kernel" (Triton, CUDA), "reference" (dequantize, then matmul), "bf16" (F.linear on a bfloat16 copy: the
+# float baseline); M = B * (k + 1) rows. The CPU's quantized kernel (GGUF blocks): bench/qmm_cpu.py
 from specdec.kernels import quant_matmul as qmm  # noqa: E402
 from specdec.models.quant import QuantLinear, QuantRows  # noqa: E402
 
@@ -325,7 +325,7 @@ QUANT_SHAPES = ((1536, 576), (576, 1536)) if not CUDA else (  # (N, K): Llama-3-
     (6144, 4096), (4096, 14336), (28672, 4096), (4096, 4096))
 # the bar (issue #42): kernel >= 2x bf16 (int4) / >= 1.5x (int8) at 1-8 rows; "kernel_nmajor": the same kernel on
 # row-major codes (QuantLinear keeps them K-major), to see what the layout is worth
-QUANT_IMPLS = ("kernel", "kernel_nmajor", "bf16") if CUDA else ("reference", "cpu", "bf16")
+QUANT_IMPLS = ("kernel", "kernel_nmajor", "bf16") if CUDA else ("reference", "bf16")  # the CPU's: bench/qmm_cpu.py
 
 
 @pytest.mark.parametrize("impl", QUANT_IMPLS)
@@ -338,14 +338,11 @@ def test_quant_matmul(benchmark, fmt, shape, rows, impl):
     part = QuantRows(fmt, (N, K), "bench", device="cuda")  # the GPU layout's codes (held on the CPU here)
     part.add_float(0, weight)
     zeros = None if part.zeros is None else part.zeros.to(DEVICE)
-    layer = QuantLinear(fmt, part.codes.to(DEVICE), part.scales.to(DEVICE), zeros,
-                        cpu_kernels=impl == "cpu")  # torch's packed CPU layout for "cpu", else the kernel's
+    layer = QuantLinear(fmt, part.codes.to(DEVICE), part.scales.to(DEVICE), zeros)
     x = torch.randn(rows, K, device=DEVICE).bfloat16()
     if impl == "bf16":
         w16 = weight.to(DEVICE, torch.bfloat16)
         fn = lambda: torch.nn.functional.linear(x, w16)  # noqa: E731
-    elif impl == "cpu":
-        fn = lambda: layer(x)  # noqa: E731
     else:
         operands = (layer.nibbles, layer.scales, layer.zeros) if fmt == "int4" else (layer.codes, layer.scales)
         if impl == "kernel_nmajor":

@@ -1,6 +1,6 @@
 """specdec.kernels: one module per op, each with a Triton kernel, a pure-torch reference and a validating
 wrapper that dispatches between them (`dispatch.py`: Triton on CUDA, the reference elsewhere, or what
-`backend=` / `$SPECDEC_KERNELS` asks for).
+`backend=` asks for: an engine's `kernel_backend`).
 
 - `realign`: shift rows of the target's and draft's caches by per-row deltas (left-padded layout);
 - `positions`: positions, write columns and attention mask of a step from (start, length);

@@ -1,8 +1,8 @@
 """Which implementation a kernel wrapper runs: the Triton kernel or the pure-torch reference.
 
-Default ("auto"): Triton for CUDA tensors, the torch reference elsewhere. The environment variable
-`SPECDEC_KERNELS=triton|torch|auto` overrides the default, and every wrapper takes `backend=` to
-override both. Forcing "triton" on CPU tensors works under `TRITON_INTERPRET=1` (slow, exact): that is
+Default ("auto"): Triton for CUDA tensors, the torch reference elsewhere. Every wrapper takes `backend=` to
+override it (an engine's is `LLM(kernel_backend=...)` / `--kernel-backend`, which reaches the models' kernels
+through their caches). Forcing "triton" on CPU tensors works under `TRITON_INTERPRET=1` (slow, exact): that is
 how the kernel tests run without a GPU.
 """
 from __future__ import annotations
@@ -38,20 +38,20 @@ class KernelBackendError(ValueError, RuntimeError):
 
 
 def choose_backend(tensor: torch.Tensor, backend: str | None = None) -> str:
-    """Resolve `backend` (argument, then $SPECDEC_KERNELS, then auto) to "triton" or "torch"."""
-    choice = backend or os.environ.get("SPECDEC_KERNELS", "auto")
-    source = f"backend={backend!r}" if backend else f"SPECDEC_KERNELS={choice}"
+    """Resolve `backend` (None: "auto") to "triton" or "torch"."""
+    choice = backend or "auto"
+    source = f"kernel backend {choice!r}"
     if choice not in BACKENDS:
-        raise ValueError(f"kernel backend {choice!r} is not one of {BACKENDS} (argument or $SPECDEC_KERNELS)")
+        raise ValueError(f"kernel backend {choice!r} is not one of {BACKENDS}")
     if choice == "auto":
         return "triton" if tensor.is_cuda and triton_available() else "torch"
     if choice == "triton":
         if not triton_available():
             raise KernelBackendError(f"{source}: triton is not installed; pip install triton, or use the torch "
-                                     f"kernels (SPECDEC_KERNELS=torch or auto)")
+                                     f"kernels (kernel_backend / --kernel-backend torch or auto)")
         if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise KernelBackendError(f"{source}: the Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 to run "
-                                     f"on the CPU (slowly); or use the torch kernels (SPECDEC_KERNELS=torch or auto)")
+                                     f"on the CPU (slowly); or use the torch kernels (kernel_backend / --kernel-backend torch or auto)")
     return choice
 
 

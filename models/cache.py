@@ -44,7 +44,7 @@ class KVCache:
         self._length = length  # [B] int64, device
         self.host_start = _as_host(start if host_start is None else host_start)
         self.host_length = _as_host(length if host_length is None else host_length)
-        self.backend: str | None = None  # kernel backend of `plan` (None: $SPECDEC_KERNELS / auto)
+        self.backend: str | None = None  # the kernels' backend for steps on this cache (None: auto)
         self.owner: KVCache | None = None  # the cache whose storage this one is a view of (`gather_rows`)
 
     @classmethod
@@ -57,19 +57,13 @@ class KVCache:
     # -------------------------------------------------------------------------------- row state
     @property
     def start(self) -> torch.Tensor:
+        """[B] int64 on the device (`set_rows` changes it with its host mirror)."""
         return self._start
-
-    @start.setter
-    def start(self, value: torch.Tensor) -> None:  # tools and tests: reads the device once
-        self._start, self.host_start = value, _as_host(value)
 
     @property
     def length(self) -> torch.Tensor:
+        """[B] int64 on the device (`set_rows` changes it with its host mirror)."""
         return self._length
-
-    @length.setter
-    def length(self, value: torch.Tensor) -> None:  # tools and tests: reads the device once
-        self._length, self.host_length = value, _as_host(value)
 
     def set_rows(self, start=None, host_start=None, length=None, host_length=None) -> None:
         """Replace start and/or length: the device tensor [B] and its host list together (no sync)."""

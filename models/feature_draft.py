@@ -100,6 +100,13 @@ class FeatureDraft(Transformer):
             self.lm_head.weight.copy_(head)
         self.lm_head.weight.requires_grad_(False)  # the target's rows: trained with the target, never here
         self.register_buffer("draft_vocab", draft_vocab, persistent=False)
+        self.fc_kernel = None  # (x, backend) -> fc(x): `choose_kernels`
+        self.choose_kernels()
+
+    def choose_kernels(self) -> None:
+        """Transformer's kernels, and fc's."""
+        super().choose_kernels()
+        self.fc_kernel = numerics.linear_kernel(self.fc, self.batch_invariant, self.packed_linear)
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -125,13 +132,12 @@ class FeatureDraft(Transformer):
         """fc([embed(ids), features]) [B, T, E]; no features (a timing forward, or position 0): zeros."""
         e = self.embed_tokens(input_ids)  # [B, T, E]
         f = torch.zeros_like(e) if features is None else features.to(e.dtype)  # [B, T, E]
-        return numerics.linear(self.fc, torch.cat([e, f], dim=-1), self.batch_invariant, backend, self.packed_linear)
+        return self.fc_kernel(torch.cat([e, f], dim=-1), backend)
 
     def head(self, h, backend=None):
         """Logits over the full vocabulary [B, T, V]: the draft vocabulary's from the head, the lowest finite
         value for every other id (never drafted; probability 0 after softmax)."""
-        logits = numerics.linear(self.lm_head, self.norm(h), self.batch_invariant, backend,
-                                 self.packed_linear)  # [B, T, V']
+        logits = self.head_kernel(self.norm(h, backend), backend)  # [B, T, V']
         if self.draft_vocab is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.vocab_size), torch.finfo(logits.dtype).min)  # [B, T, V]

@@ -22,8 +22,8 @@ tables were regrown is released and captured again against the live ones), and a
 graphs belong to the buffer (`KVCache.owner`). `reserve_bytes` is what they may hold, for the admission check
 (specdec/memory.py).
 
-`GraphRunner.run` returns None where it does not apply (a padded prefill, more than MAX_TOKENS tokens per
-row, more rows than the largest bucket, a view without its bucket's rows): the caller runs eager. `capture`
+`GraphRunner.takes` says where a graph does not apply (a padded prefill, more than MAX_TOKENS tokens per row,
+more rows than the largest bucket, a view without its bucket's rows): the model runs that step eager. `capture`
 is the graph API (`torch.cuda` on CUDA; tests pass a CPU stand-in, tests/graph_standin.py); without one
 (`capture=False`) the same static-buffer path runs eagerly, so what the graph computes is tested everywhere.
 """
@@ -131,20 +131,26 @@ class GraphRunner:
         activations = Bb * T * (V + 2 * I + (H + 2 * Hkv) * D + 4 * E + 2 * H * capacity) * itemsize
         return self.max_graphs * outputs + activations
 
-    @torch.no_grad()
-    def run(self, input_ids, cache, logits: str, hidden, num_new, features):
-        """The step's logits ([B, T, V] or [B, 1, V] for "last"; with `hidden`, the pair), with the cache advanced;
-        None where the step is not one a graph runs (the caller runs it eager)."""
+    def takes(self, input_ids, cache, num_new) -> bool:
+        """Whether a graph runs this step of input_ids [B, T]: every row T real tokens (`num_new` None), at most
+        MAX_TOKENS of them, at most the largest bucket's rows, room for them in the cache, and the bucket's rows in
+        the storage (a cache that is its own storage gets them in `run`); never after a failed capture."""
         B, T = input_ids.shape
         Bb = self.bucket(B)
         if (self.failed or num_new is not None or Bb is None or T > MAX_TOKENS
                 or any(n + T > cache.capacity for n in cache.host_end)):
-            return None
+            return False
+        return cache.owner is None or cache.owner.reserved_rows >= Bb  # exspec's group: a view of the step buffer
+
+    @torch.no_grad()
+    def run(self, input_ids, cache, logits: str, hidden, features):
+        """The logits of a step the runner `takes` ([B, T, V] or [B, 1, V] for "last"; with `hidden`, the pair),
+        with the cache advanced."""
+        B, T = input_ids.shape
+        Bb = self.bucket(B)
         home = cache.owner if cache.owner is not None else cache  # exspec's group: a view of the step buffer
         if home is cache and cache.reserved_rows < Bb:
             cache.reserve_rows(Bb)  # one copy, once per storage (a cache not allocated by `new_cache`)
-        if home.reserved_rows < Bb:
-            return None
         storage = home._kv_all  # [L, 2, R, H_kv, C, D]
         W = width_bucket(max(cache.host_end) + T, storage.shape[4])
         tables = self.model.rope_head_table(storage.shape[4])

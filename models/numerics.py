@@ -17,9 +17,15 @@ a verify pass, in a batch of 8, at any row, after any left padding. Per op, on t
 
 On CUDA, torch's own reductions (RMSNorm's mean) and elementwise kernels are not covered by these CPU
 measurements; see docs/design.md ("Batch-invariant numerics") for what is and is not claimed there.
+
+Which implementation an op runs is chosen once per model, not per call: `linear_kernel`, `linear_add_kernel`,
+`gated_mlp_kernel`, `rms_norm_kernel` and `silu_kernel` return it for a layer's weight format, device and dtype and
+the model's modes (`Transformer.choose_kernels` calls them when the model is loaded, moved or cast, and when
+`batch_invariant` or `packed_linear` is set).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -27,11 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.kernels.bi_attention import Workspace, bi_attention, chunk_plan, first_keys
-from specdec.kernels.bi_matmul import bi_linear, pack_weight
+from specdec.kernels.bi_matmul import bi_linear, onednn_available, pack_weight
 from specdec.kernels.dispatch import choose_backend, one_thread
 from specdec.kernels.rmsnorm import rms_norm as bi_rms_norm
 
-from .quant import COMPUTE_DTYPE, QUANTIZED_LINEAR, QuantLinear
+from .quant import QUANTIZED_LINEAR
 
 # CPU float32 linear layers with M = B*T >= 2 rows: MKL's small-M GEMM costs ~M times its one-row GEMV
 # (M = 2..8 measured 1.8-2.9x the time of M = 1 at K = 384, N = 1536), oneDNN's blocked kernel on a
@@ -112,62 +118,144 @@ def drop_packed_weights(model: nn.Module) -> None:
             del module.__dict__[name]
 
 
-def linear(layer: nn.Linear, x, invariant: bool, backend: str | None = None, packed: bool = False,
-           promoted: bool = False):
-    """`layer(x)`, or its batch-invariant equivalent (same weights, a fixed summation order per row), or
-    with `packed` (ordinary mode, CPU float32, up to PACKED_MAX_ROWS rows) oneDNN on the layer's packed weight. A
-    quantized layer (models/quant.py) runs its own weight-only kernels, batch-invariant as they are; with
-    `promoted` (the caller only adds or multiplies the output into x's dtype, where promotion converts it
-    exactly) it returns what its kernel computes, without a cast."""
-    if isinstance(layer, QUANTIZED_LINEAR):
-        return layer(x, invariant, layer_dtype(layer) if promoted else None)
-    if invariant:
-        return bi_linear(x, layer.weight, layer.bias, packed=packed_weight(layer), backend=backend)
-    if packed and _packed_path(x):
+# ------------------------------------------------------------------------------------------ linear kernels
+# Every linear site of the forward (the q/k/v projection, the output projection and its residual add, the MLP,
+# the head, a feature draft's fc) runs one kernel, chosen once by `linear_kernel`, `linear_add_kernel` or
+# `gated_mlp_kernel` from the layer's weight format, device and dtype and the model's modes
+# (`Transformer.choose_kernels`: at load, when a mode is set, when the model moves or changes dtype). A kernel is
+# one of the functions below bound to its layer(s) (`functools.partial`); the forward calls it with the
+# activations x [M, K] (the step's rows; training passes [B, T, K]) and the step's kernel backend, and nothing is
+# decided per call but what the data decides: whether the packed path's row bound holds.
+
+
+def plain_linear(layer: nn.Linear, x, backend: str | None = None):
+    """`layer(x)` as `F.linear` (MKL picks its kernel by the row count: not batch-invariant)."""
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def quantized_linear(layer: nn.Module, x, backend: str | None = None):
+    """A quantized layer's own kernel (models/quant.py): each row on its own, batch-invariant as it is."""
+    return layer(x, backend)
+
+
+def invariant_linear(layer: nn.Linear, x, backend: str | None = None):
+    """`bi_matmul.bi_linear`: a fixed summation order per row (on the CPU in float32, on the packed weight)."""
+    return bi_linear(x, layer.weight, layer.bias, packed=packed_weight(layer), backend=backend)
+
+
+def packed_linear(layer: nn.Linear, x, backend: str | None = None):
+    """oneDNN on the packed weight for steps of up to PACKED_MAX_ROWS rows, else `plain_linear`."""
+    if fits_packed(x):
         return _onednn(x, packed_weight(layer), layer.bias)
-    return layer(x)
+    return F.linear(x, layer.weight, layer.bias)
 
 
-def linear_add(layer: nn.Linear, x, residual, invariant: bool, backend: str | None = None, packed: bool = False):
-    """residual + layer(x) for x [M, K] and residual [M, N], in one op where the path has one: oneDNN's
-    linear with a sum post-op on the packed weight (CPU float32), else `addmm` on the transposed weight
-    (float32 only: float64 keeps the product, then the sum, so that its last bits are HF's -- the float32
-    RMSNorm HF runs inside a float64 model would otherwise round some of them the other way)."""
-    if packed and not invariant and not isinstance(layer, QUANTIZED_LINEAR) and _packed_path(x):
-        return _onednn(x, packed_weight(layer), layer.bias, residual, "add")
-    if invariant or layer.bias is not None or isinstance(layer, QUANTIZED_LINEAR) or x.dim() != 2 \
-            or x.dtype != torch.float32:
-        return residual + linear(layer, x, invariant, backend, packed, promoted=True)
+def addmm_linear_add(layer: nn.Linear, x, residual, backend: str | None = None):
+    """residual + layer(x) in one op: `torch.addmm` on the transposed weight (float32, no bias; x [M, K])."""
+    if x.dim() != 2:  # training's [B, T, K]
+        return residual + F.linear(x, layer.weight)
     return torch.addmm(residual, x, transposed_weight(layer))  # [M, N]
 
 
-def gated_mlp(gate_up: nn.Linear, down: nn.Linear, x, residual, invariant: bool, backend: str | None = None,
-              packed: bool = False):
-    """residual + down(silu(gate(x)) * up(x)) for x [M, E] (gate_up: the fused [2I, E] projection, gate first).
-    CPU float32 with packed weights: three oneDNN ops (gate with a swish post-op, up with a product post-op,
-    down with a sum post-op); else gate_up, SiLU, the product and `linear_add`."""
-    if packed and not invariant and not isinstance(gate_up, QUANTIZED_LINEAR) and gate_up.bias is None \
-            and _packed_path(x):
-        act = _onednn(x, packed_weight(gate_up, 0), None, attr="swish")  # [M, I] silu(gate)
-        act = _onednn(x, packed_weight(gate_up, 1), None, act, "mul")  # [M, I] silu(gate) * up
-        return linear_add(down, act, residual, invariant, backend, packed)
-    if isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear) and gate_up.on_cpu and down.on_cpu:
-        # the kernels' own dtype throughout: bfloat16's F.silu is batch-invariant (module docstring)
-        gate, up = gate_up(x, invariant, COMPUTE_DTYPE).chunk(2, dim=-1)  # [M, I] each, bfloat16
-        return residual + down(F.silu(gate) * up, invariant, COMPUTE_DTYPE)
-    gate, up = linear(gate_up, x, invariant, backend, packed).chunk(2, dim=-1)  # [M, I] each
-    return linear_add(down, silu(gate, invariant) * up, residual, invariant, backend, packed)
+def linear_then_add(linear, x, residual, backend: str | None = None):
+    """residual + linear(x): the product, then the sum (float64 keeps HF's last bits so: see `linear_add_kernel`)."""
+    return residual + linear(x, backend)
 
 
-def layer_dtype(layer) -> torch.dtype | None:
-    """The dtype a quantized layer's kernel computes in (bfloat16 on the CPU; the activations' elsewhere)."""
-    return COMPUTE_DTYPE if isinstance(layer, QuantLinear) and layer.on_cpu else None
+def linear_norm_add(linear, norm: nn.Module, x, residual, backend: str | None = None):
+    """residual + norm(linear(x)): GLM-4's sublayer output, normed before the residual add."""
+    return residual + norm(linear(x, backend))
 
 
-def _packed_path(x) -> bool:
-    """Whether x [M, K] takes the packed oneDNN path: CPU float32, eager, 1..PACKED_MAX_ROWS rows."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
-            and x.numel() // x.shape[-1] <= PACKED_MAX_ROWS)
+def packed_linear_add(layer: nn.Linear, fallback, x, residual, backend: str | None = None):
+    """residual + layer(x) as oneDNN's linear with a sum post-op on the packed weight, for steps of up to
+    PACKED_MAX_ROWS rows; else `fallback` (the layer's unpacked kernel)."""
+    if fits_packed(x):
+        return _onednn(x, packed_weight(layer), layer.bias, residual, "add")
+    return fallback(x, residual, backend)
+
+
+def gate_and_up(linear, x, backend: str | None = None):
+    """The fused gate/up projection's output [M, 2I] split into gate and up [M, I] (gate first)."""
+    return linear(x, backend).chunk(2, dim=-1)
+
+
+def separate_gate_and_up(gate, up, x, backend: str | None = None):
+    """gate(x), up(x) from two projections (a model loaded unfused)."""
+    return gate(x, backend), up(x, backend)
+
+
+def gated_mlp(gate_up, down_add, silu, x, residual, backend: str | None = None):
+    """residual + down(silu(gate(x)) * up(x)) from chosen kernels: gate_up(x) -> (gate, up), down_add(h, residual)."""
+    gate, up = gate_up(x, backend)  # [M, I] each
+    return down_add(silu(gate) * up, residual, backend)
+
+
+def packed_gated_mlp(gate_up: nn.Linear, down: nn.Linear, fallback, x, residual, backend: str | None = None):
+    """`gated_mlp` as three oneDNN ops on packed weights for steps of up to PACKED_MAX_ROWS rows: gate with a
+    swish post-op, up with a product post-op, down with a sum post-op; else `fallback`."""
+    if not fits_packed(x):
+        return fallback(x, residual, backend)
+    act = _onednn(x, packed_weight(gate_up, 0), None, attr="swish")  # [M, I] silu(gate)
+    act = _onednn(x, packed_weight(gate_up, 1), None, act, "mul")  # [M, I] silu(gate) * up
+    return _onednn(act, packed_weight(down), down.bias, residual, "add")  # [M, E]
+
+
+def packs(layer: nn.Module) -> bool:
+    """Whether the packed path can multiply this layer: a float32 weight on a CPU whose torch has oneDNN."""
+    return (not isinstance(layer, QUANTIZED_LINEAR) and layer.weight.dtype == torch.float32
+            and layer.weight.device.type == "cpu" and onednn_available())
+
+
+def linear_kernel(layer: nn.Module, invariant: bool, packed: bool):
+    """The kernel of y = layer(x): a callable (x [..., K], backend) -> [..., N]. A quantized layer runs its own
+    kernel; else batch-invariant mode `invariant_linear`, `packed` (where the layer `packs`) `packed_linear`,
+    otherwise `plain_linear`. Packs the weight now where the kernel reads it packed."""
+    if isinstance(layer, QUANTIZED_LINEAR):
+        return partial(quantized_linear, layer)
+    if invariant:
+        packed_weight(layer)
+        return partial(invariant_linear, layer)
+    if packed and packs(layer):
+        packed_weight(layer)
+        return partial(packed_linear, layer)
+    return partial(plain_linear, layer)
+
+
+def linear_add_kernel(layer: nn.Module, invariant: bool, packed: bool):
+    """The kernel of residual + layer(x): a callable (x [M, K], residual [M, N], backend) -> [M, N]. One op where
+    the path has one: `packed_linear_add` (packed; where the layer `packs`), `addmm_linear_add` (float32 without
+    a bias); else the layer's `linear_kernel`, then the sum (float64 keeps the product, then the sum, so that its
+    last bits are HF's: the float32 RMSNorm HF runs inside a float64 model would otherwise round some of them the
+    other way)."""
+    if invariant or isinstance(layer, QUANTIZED_LINEAR) or layer.bias is not None \
+            or layer.weight.dtype != torch.float32:
+        unpacked = partial(linear_then_add, linear_kernel(layer, invariant, False))
+    else:
+        unpacked = partial(addmm_linear_add, layer)
+    if packed and not invariant and packs(layer):
+        packed_weight(layer)
+        return partial(packed_linear_add, layer, unpacked)
+    return unpacked
+
+
+def gated_mlp_kernel(gate_up: nn.Module, down: nn.Module, invariant: bool, packed: bool, silu):
+    """The kernel of residual + down(silu(gate(x)) * up(x)) for the fused gate/up projection (gate first): a
+    callable (x [M, E], residual [M, E], backend) -> [M, E]. Packed (both layers `pack`, no gate/up bias):
+    `packed_gated_mlp`; else `gated_mlp` on the layers' own kernels. `silu`: `silu_kernel`'s."""
+    unpacked = partial(gated_mlp, partial(gate_and_up, linear_kernel(gate_up, invariant, False)),
+                       linear_add_kernel(down, invariant, False), silu)
+    if packed and not invariant and packs(gate_up) and packs(down) and gate_up.bias is None:
+        for part in (0, 1):
+            packed_weight(gate_up, part)
+        packed_weight(down)
+        return partial(packed_gated_mlp, gate_up, down, unpacked)
+    return unpacked
+
+
+def fits_packed(x) -> bool:
+    """Whether x [M, K] takes the packed path: an eager forward's step of 1..PACKED_MAX_ROWS rows."""
+    return not torch.compiler.is_compiling() and x.numel() // x.shape[-1] <= PACKED_MAX_ROWS
 
 
 def _onednn(x, weight, bias, other=None, attr: str = "none"):
@@ -209,9 +297,9 @@ def warm_packed(model) -> int:
     buckets = sorted({packed_rows(m) for m in range(1, PACKED_MAX_ROWS + 1)})
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
+            if isinstance(module, nn.Linear) and packs(module):
                 for rows in buckets:
-                    linear(module, module.weight.new_zeros(rows, module.in_features), False, packed=True)
+                    packed_linear(module, module.weight.new_zeros(rows, module.in_features))
                     calls += 1
     return calls
 
@@ -247,16 +335,30 @@ def sdpa(q, k, v, attn_bias, gqa: bool, causal: bool = False):
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **mask)  # [B, H, T, D]
 
 
-def rms_norm(x, weight, eps: float, invariant: bool = False, backend: str | None = None):
-    """HF's RMSNorm: normalise in float32, cast back to x's dtype, then scale by `weight`. In float32 one op
-    (`F.rms_norm` gives the same bits as the chain: tests/test_lean_forward.py); other dtypes the chain's order.
-    Batch-invariant on the Triton backend: `kernels.rmsnorm` (one program per row; torch's CUDA reductions
-    choose their strategy by shape). The CPU's reductions are row by row: invariant as they are."""
-    if invariant and choose_backend(x, backend) == "triton":
-        return bi_rms_norm(x, weight, eps, backend="triton")
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+def float32_rms_norm(x, weight, eps: float, backend: str | None = None):
+    """HF's RMSNorm in float32 as one op (`F.rms_norm` gives the chain's bits: tests/test_lean_forward.py)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def rms_norm(x, weight, eps: float, backend: str | None = None):
+    """HF's RMSNorm in its order: normalise in float32, cast back to x's dtype, then scale by `weight` (bfloat16
+    would differ from `float32_rms_norm`'s one op: the weight multiplies after the cast)."""
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def invariant_rms_norm(ordinary, x, weight, eps: float, backend: str | None = None):
+    """Batch-invariant RMSNorm: on the Triton backend `kernels.rmsnorm` (one program per row; torch's CUDA
+    reductions choose their strategy by shape), elsewhere `ordinary` (the CPU's reductions are row by row:
+    invariant as they are). `backend`: the step's (the cache's kernel backend)."""
+    if choose_backend(x, backend) == "triton":
+        return bi_rms_norm(x, weight, eps, backend="triton")
+    return ordinary(x, weight, eps)
+
+
+def rms_norm_kernel(invariant: bool, dtype: torch.dtype):
+    """The RMSNorm of a model whose activations are `dtype`: a callable (x, weight, eps, backend) -> [..., E]."""
+    ordinary = float32_rms_norm if dtype == torch.float32 else rms_norm
+    return partial(invariant_rms_norm, ordinary) if invariant else ordinary
 
 
 def rotate(x, cos, sin, perm):
@@ -267,11 +369,17 @@ def rotate(x, cos, sin, perm):
     return x * cos + x.index_select(-1, perm) * sin  # [B, T, heads, D]
 
 
-def silu(x, invariant: bool):
-    """SiLU; in the mode with a formula whose every step rounds the same wherever the element sits."""
-    if not invariant or x.is_cuda or x.dtype in SILU_INVARIANT_DTYPES:
-        return F.silu(x)
+def invariant_silu(x):
+    """SiLU as x / (1 + exp(-x)): every step rounds the same wherever the element sits (batch-invariant)."""
     return x / (1 + torch.exp(-x))
+
+
+def silu_kernel(invariant: bool, device: torch.device, dtype: torch.dtype):
+    """The SiLU of a model on `device` whose activations are `dtype`: `F.silu`, or in batch-invariant mode on a
+    CPU `invariant_silu` (bfloat16's `F.silu` is invariant: SILU_INVARIANT_DTYPES)."""
+    if not invariant or device.type == "cuda" or dtype in SILU_INVARIANT_DTYPES:
+        return F.silu
+    return invariant_silu
 
 
 def attention(q, k_cache, v_cache, keys: RowKeys, backend: str | None = None):

@@ -15,9 +15,8 @@ int8 rows with one scale each (a Q8_0 or Q6_K file re-quantized: 94.8% top-1 agr
 `GROUP` = 32 inputs with a bfloat16 scale and zero (w = (code - 8) scale + zero; a GGUF's Q4_0, Q4_1 and Q4_K
 blocks map onto it, their float16 scales rounded to bfloat16: models/gguf.py `int4_codes`), int8 codes
 -127..127 with a bfloat16 scale per row; on CUDA a Triton kernel that dequantizes each weight tile in
-registers and sums each row in a fixed order, elsewhere its torch reference. A `QuantLinear` built by hand on
-the CPU (`cpu_kernels`, the default there) still runs torch's packed kernels (`_weight_int4pack_mm_for_cpu`,
-`_weight_int8pack_mm`, bfloat16 activations); the loaders no longer build one.
+registers and sums each row in a fixed order, elsewhere (a `QuantLinear` built by hand on the CPU: the loaders
+build `BlockLinear` there) its torch reference.
 
 Exactness: both kernels compute each row on its own, but their inputs are rounded (to int8 on the CPU, to
 bfloat16 on a GPU), which turns the last-bit differences of the ordinary float32 attention (its blocks depend
@@ -37,7 +36,6 @@ import ctypes
 import sys
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdec.kernels.quant_matmul import (FORMATS, GROUP, INT4_OFFSET, dequantize_int4, k_major, pack_nibbles,
@@ -53,8 +51,7 @@ from .ggml_blocks import dequantize_rows as dequantize_packed_rows
 
 # FORMATS ("int8", "int4"), GROUP (32: int4's inputs per (scale, zero) group, llama.cpp's Q4 block size),
 # INT4_OFFSET and the (un)packing of nibbles are the kernel's (kernels/quant_matmul.py), imported above
-INT4_ROW_MULTIPLE = 16  # torch's CPU int4 layout packs output rows in sixteens
-COMPUTE_DTYPE = torch.bfloat16  # the activations and scales the GPU layout's weight-only kernels take
+SCALE_DTYPE = torch.bfloat16  # the GPU layout's scales and zeros
 # --quantize on the CPU: float weights quantized the llama.cpp way into one of the kernel's block types
 REQUANTIZED_AS = {"int4": "Q4_1", "int8": "Q8_0"}
 AS_STORED = "gguf"  # a GGUF's quantized tensors, loaded as the file holds them (models/gguf.py)
@@ -80,8 +77,8 @@ def quantize_int4_rows(w: torch.Tensor):
     g = w.float().reshape(N, K // GROUP, GROUP)  # [N, G, 32]
     lo, hi = g.amin(-1), g.amax(-1)  # [N, G]
     scale = ((hi - lo) / 15).clamp_min(1e-10)  # a constant group gets a tiny scale and codes 0
-    scale = scale.to(COMPUTE_DTYPE).float()  # the scale and zero the kernel will use: codes chosen against them
-    zero = (lo + INT4_OFFSET * scale).to(COMPUTE_DTYPE).float()  # w = code * scale + lo = (code - 8) * scale + zero
+    scale = scale.to(SCALE_DTYPE).float()  # the scale and zero the kernel will use: codes chosen against them
+    zero = (lo + INT4_OFFSET * scale).to(SCALE_DTYPE).float()  # w = code * scale + lo = (code - 8) * scale + zero
     codes = torch.round((g - zero[..., None]) / scale[..., None] + INT4_OFFSET).clamp_(0, 15)  # [N, G, 32]
     return codes.to(torch.uint8).reshape(N, K), scale, zero
 
@@ -89,44 +86,30 @@ def quantize_int4_rows(w: torch.Tensor):
 def quantize_int8_rows(w: torch.Tensor):
     """w [N, K] float -> codes int8 [N, K] (-127..127) and scales float32 [N] (max |w| / 127 per row)."""
     w = w.float()
-    scale = (w.abs().amax(-1) / 127).clamp_min(1e-10).to(COMPUTE_DTYPE).float()  # [N]
+    scale = (w.abs().amax(-1) / 127).clamp_min(1e-10).to(SCALE_DTYPE).float()  # [N]
     codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # [N, K]
     return codes, scale
 
 
 # ------------------------------------------------------------------------------------------ modules
 class QuantLinear(nn.Module):
-    """A linear layer y = x W^T + b whose W is int8 or int4 (see the module docstring).
-
-    On the CPU an int4 weight is held only in torch's packed layout (`packed` [N, K/2] uint8 and
-    `scales_zeros` [K/32, N, 2]) for torch's CPU kernels; elsewhere (or with `cpu_kernels=False`: how the
-    tests run the GPU path's layout and kernel on the CPU, under the Triton interpreter) as nibbles
-    (`nibbles` [N, K/2]: weight 2j in the low nibble of byte j) with `scales` and `zeros` [N, K/32]. An int8
-    weight is `codes` [N, K] and `scales` [N]."""
+    """A linear layer y = x W^T + b whose W is int8 or int4 in the Triton kernel's layout (see the module
+    docstring): an int4 weight as nibbles (`nibbles` [N, K/2]: weight 2j in the low nibble of byte j) with
+    `scales` and `zeros` [N, K/32], an int8 weight as `codes` [N, K] with `scales` [N]; each K-major (`k_major`:
+    a group's codes for many rows contiguous)."""
 
     def __init__(self, fmt: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, cpu_kernels: bool | None = None):
+                 bias: torch.Tensor | None = None):
         super().__init__()
         self.format = fmt
         self.out_features, self.in_features = codes.shape
-        self.on_cpu = codes.device.type == "cpu" if cpu_kernels is None else cpu_kernels  # torch's CPU kernels
         if fmt == "int4":
-            scales, zeros = scales.to(COMPUTE_DTYPE), zeros.to(COMPUTE_DTYPE)  # [N, G] each
-            if self.on_cpu:  # the kernel takes N % 16 == 0: zero rows pad it, their outputs are dropped
-                pad = -self.out_features % INT4_ROW_MULTIPLE
-                codes, scales, zeros = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scales, zeros))
-                self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2),
-                                     persistent=False)  # [N', K/2] uint8, torch's own layout
-                self.register_buffer("scales_zeros", torch.stack((scales.t(), zeros.t()), dim=-1).contiguous(),
-                                     persistent=False)  # [G, N', 2]
-            else:  # the Triton kernel's layout: K-major views (`k_major`: a group's codes for many rows contiguous)
-                self.register_buffer("nibbles", k_major(pack_nibbles(codes)), persistent=False)  # [N, K/2] uint8
-                self.register_buffer("scales", k_major(scales), persistent=False)  # [N, G]
-                self.register_buffer("zeros", k_major(zeros), persistent=False)  # [N, G]
+            self.register_buffer("nibbles", k_major(pack_nibbles(codes)), persistent=False)  # [N, K/2] uint8
+            self.register_buffer("scales", k_major(scales.to(SCALE_DTYPE)), persistent=False)  # [N, G]
+            self.register_buffer("zeros", k_major(zeros.to(SCALE_DTYPE)), persistent=False)  # [N, G]
         elif fmt == "int8":
-            codes = codes.contiguous() if self.on_cpu else k_major(codes)  # torch's CPU kernel takes [N, K] rows
-            self.register_buffer("codes", codes, persistent=False)  # [N, K] int8
-            self.register_buffer("scales", scales.to(COMPUTE_DTYPE), persistent=False)  # [N]
+            self.register_buffer("codes", k_major(codes), persistent=False)  # [N, K] int8
+            self.register_buffer("scales", scales.to(SCALE_DTYPE), persistent=False)  # [N]
         else:
             raise ValueError(f"unknown quantized format {fmt!r}")
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
@@ -140,49 +123,27 @@ class QuantLinear(nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        """W [N, K] in `dtype`: the values the kernels multiply by. On the CPU an int4 weight is read back
-        through the kernel itself (x = the identity: one row per input, each giving one column of W exactly
-        as the kernel forms it); for checks and one-off copies (a feature draft's head), not for steps."""
+        """W [N, K] in `dtype`: the values the kernel multiplies by (for checks and one-off copies: a feature
+        draft's head)."""
         if self.format == "int8":
             return self.codes.to(dtype) * self.scales.to(dtype)[:, None]
-        if self.on_cpu:
-            eye = torch.eye(self.in_features, dtype=COMPUTE_DTYPE)  # [K, K]
-            out = torch._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_zeros)  # [K, N']
-            return out[:, : self.out_features].t().to(dtype)
         return dequantize_int4(unpack_nibbles(self.nibbles), self.scales, self.zeros, dtype)
 
-    def forward(self, x: torch.Tensor, invariant: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """y [..., N] in `out_dtype` (default x's dtype; the CPU kernels compute in bfloat16, and a caller that
-        adds or multiplies the output into float32 anyway may take it so: promotion converts it exactly). One
-        path for every row count (each row computed on its own), so a token's result never depends on what
-        else is in the matmul; `invariant` needs nothing more. (Not so for quant_matmul's torch reference, which
-        runs off the CPU only where Triton does not: a device other than CUDA, or SPECDEC_KERNELS=torch.)"""
+    def forward(self, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+        """y [..., N] in x's dtype: kernels/quant_matmul.py (Triton on CUDA, else its torch reference, or what
+        `backend` says), float32 sums. The Triton kernel computes each row on its own, so a token's result never
+        depends on what else is in the matmul (not so its torch reference, which runs only where Triton does
+        not: a device other than CUDA, or kernel backend "torch")."""
         shape = x.shape
-        out_dtype = x.dtype if out_dtype is None else out_dtype
-        if not self.on_cpu:  # kernels/quant_matmul.py (Triton on CUDA, else its reference): x's dtype, f32 sums
-            if self.format == "int4":
-                out = quant_matmul(x.reshape(-1, self.in_features), "int4", self.nibbles, self.scales, self.zeros)
-            else:
-                out = quant_matmul(x.reshape(-1, self.in_features), "int8", self.codes, self.scales)  # [M, N]
-            if self.bias is not None:
-                out = out + self.bias
-            return out.reshape(*shape[:-1], self.out_features).to(out_dtype)
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [M, K]
-        if x2.dtype != COMPUTE_DTYPE:
-            x2 = x2.to(COMPUTE_DTYPE)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
         if self.format == "int4":
-            out = torch._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)  # [M, N']
-            if out.shape[1] != self.out_features:
-                out = out[:, : self.out_features]
+            out = quant_matmul(x.reshape(-1, self.in_features), "int4", self.nibbles, self.scales, self.zeros,
+                               backend=backend)
         else:
-            out = torch._weight_int8pack_mm(x2, self.codes, self.scales)  # [M, N]
-        if out.dtype != out_dtype:
-            out = out.to(out_dtype)
+            out = quant_matmul(x.reshape(-1, self.in_features), "int8", self.codes, self.scales,
+                               backend=backend)  # [M, N]
         if self.bias is not None:
             out = out + self.bias
-        return out if x.dim() == 2 else out.reshape(*shape[:-1], self.out_features)
+        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
 
 class BlockLinear(nn.Module):
@@ -210,6 +171,13 @@ class BlockLinear(nn.Module):
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.weights = [(row, qmm_cpu.Weight(p)) for row, p in parts]  # each part with the kernel's arguments
         self.float_weight = None  # the fallback's float32 copy (kernel not built)
+        # x [M, K] -> float32 [M, N], chosen once for this host and these parts
+        if not qmm_cpu.available():
+            self.multiply = self.multiply_float_copy
+        elif len(self.weights) == 1:
+            self.multiply = self.multiply_one_part
+        else:
+            self.multiply = self.multiply_parts
 
     @property
     def parts(self) -> list[tuple[int, Packed]]:
@@ -240,27 +208,30 @@ class BlockLinear(nn.Module):
                 out[mine] = dequantize_packed_rows(p, flat[mine] - row)
         return out.reshape(*ids.shape, self.in_features).to(dtype)
 
-    def forward(self, x: torch.Tensor, invariant: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """y [..., N] in `out_dtype` (default x's dtype). One path for every row count; `invariant` needs
-        nothing more (see the class docstring)."""
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)  # [M, K]
-        if not qmm_cpu.available():
-            if self.float_weight is None:
-                self.float_weight = self.dequantize()
-            out = x2.float() @ self.float_weight.t()  # [M, N]
-        elif len(self.weights) == 1:
-            out = qmm_cpu.qmm(x2, self.weights[0][1])  # [M, N] float32
-        else:
-            out = torch.empty(x2.shape[0], self.out_features)  # [M, N] float32, each part's columns written
-            for row, w in self.weights:
-                qmm_cpu.qmm(x2, w, out=out[:, row: row + w.n])
+    def multiply_one_part(self, x2: torch.Tensor) -> torch.Tensor:
+        return qmm_cpu.qmm(x2, self.weights[0][1])  # [M, N] float32
+
+    def multiply_parts(self, x2: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x2.shape[0], self.out_features)  # [M, N] float32, each part's columns written
+        for row, w in self.weights:
+            qmm_cpu.qmm(x2, w, out=out[:, row: row + w.n])
+        return out
+
+    def multiply_float_copy(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.float_weight is None:
+            self.float_weight = self.dequantize()  # [N, K]
+        return x2.float() @ self.float_weight.t()  # [M, N]
+
+    def forward(self, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+        """y [..., N] in x's dtype. One path for every row count (see the class docstring); `backend`: the
+        Triton kernels' setting, which this CPU kernel has no use for."""
+        flat = x.dim() == 2  # the forward's [M, K]: no reshapes
+        out = self.multiply(x if flat else x.reshape(-1, self.in_features))  # [M, N] float32
         if self.bias is not None:
             out = out + self.bias
-        out_dtype = x.dtype if out_dtype is None else out_dtype
-        if out.dtype != out_dtype:
-            out = out.to(out_dtype)
-        return out.reshape(*shape[:-1], self.out_features)
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
+        return out if flat else out.reshape(*x.shape[:-1], self.out_features)
 
 
 QUANTIZED_LINEAR = (QuantLinear, BlockLinear)  # the layers that run their own kernels (models/numerics.py)

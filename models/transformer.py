@@ -11,10 +11,13 @@ rotated together by one formula (`numerics.rotate`, per-head tables built once p
 K and V are written into the cache by one op (`kv_append`); attention is one SDPA call, with no mask where
 every query sees all its row's columns; the output projection and the MLP's down projection add the residual
 in the same op; on the CPU in float32 the MLP is three oneDNN ops on packed weights. Everything a forward
-derives from the step (RoPE tables, the write index, the mask) is computed once, before the layers.
+derives from the step (RoPE tables, the write index, the mask) is computed once, before the layers; what it
+would derive from the modes (each op's kernel, the attention kind, the step's path) is chosen once per mode,
+where the mode is set (`Transformer`).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -37,11 +40,61 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.batch_invariant = False  # set by Transformer.batch_invariant (models/numerics.py)
+        self.kernel = numerics.rms_norm  # (x, weight, eps, backend) -> [..., dim], chosen by `choose_kernel`
 
-    def forward(self, x):
-        # HF order: normalise in float32, cast back, then scale (it matters for parity)
-        return numerics.rms_norm(x, self.weight, self.eps, self.batch_invariant)
+    def choose_kernel(self, invariant: bool) -> None:
+        """The RMSNorm for the weight's dtype (the activations') and the batch-invariant setting."""
+        self.kernel = numerics.rms_norm_kernel(invariant, self.weight.dtype)
+
+    def forward(self, x, backend: str | None = None):
+        # HF order: normalise in float32, cast back, then scale (it matters for parity); backend: the step's
+        return self.kernel(x, self.weight, self.eps, backend)
+
+
+class OrdinaryAttention:
+    """SDPA (`numerics.sdpa`), with an additive mask only where some query must not see some of its row's
+    columns: a prefill from column 0 runs SDPA's causal path, a one-token step of rows that all end at one
+    column none (the same bits: hidden keys add exact zeros either way; tests/test_prefill_step.py)."""
+
+    def step_mask(self, cache: KVCache, host_new: list[int], T: int) -> tuple[bool, bool]:
+        """(whether the step needs its mask, whether it is causal without one) for T new tokens per row."""
+        # every row's first T tokens at columns 0..T-1, none of them padding: attention is causal, no mask
+        causal = all(s == 0 and n == 0 for s, n in zip(cache.host_start, cache.host_length)) \
+            and all(n == T for n in host_new)
+        # one token per row, every row seeing every column 0..W-1 (B = 1, or rows of one length): no mask
+        unmasked = T == 1 and len({e + 1 for e in cache.host_end}) == 1 and all(s == 0 for s in cache.host_start)
+        return not (causal or unmasked), causal
+
+    def keys(self, mask, dtype: torch.dtype):
+        """The layers' attention input for mask [B, T, W] bool (or None): the additive mask [B, 1, T, W], once for
+        all layers, or None."""
+        if mask is None:
+            return None
+        zero = torch.zeros((), dtype=dtype, device=mask.device)
+        return torch.where(mask, zero, float("-inf"))[:, None]  # [B, 1, T, W]
+
+    def attend(self, q, k, v, step: "StepInputs"):
+        """q [B, H, T, D] over k, v [B, H_kv, W, D] -> [B, H, T, D]."""
+        return numerics.sdpa(q, k, v, step.attn, q.shape[1] != k.shape[1], step.causal)
+
+
+ORDINARY_ATTENTION = OrdinaryAttention()  # it keeps nothing: one for every model
+
+
+class InvariantAttention:
+    """Batch-invariant attention (`numerics.attention`: chunks from each row's first key), always masked."""
+
+    def __init__(self, workspace: numerics.Workspace):
+        self.workspace = workspace  # the model's reusable buffers for the torch path
+
+    def step_mask(self, cache: KVCache, host_new: list[int], T: int) -> tuple[bool, bool]:
+        return True, False
+
+    def keys(self, mask, dtype: torch.dtype) -> numerics.RowKeys:
+        return numerics.row_keys(mask, self.workspace)  # the mask, each row's first key
+
+    def attend(self, q, k, v, step: "StepInputs"):
+        return numerics.attention(q, k, v, step.attn, step.backend)  # [B, H, T, D]
 
 
 class StepInputs(NamedTuple):
@@ -53,28 +106,16 @@ class StepInputs(NamedTuple):
     sin: torch.Tensor  # [B, T, H + 2 H_kv, D]
     columns: torch.Tensor  # [B, T] cache columns written
     write: tuple | None  # `kv_append.write_index(columns)`: the torch path's K/V write indices
-    attn: object  # additive mask [B, 1, T, W], None (no mask: `causal` or every query sees all W columns),
-    # or a numerics.RowKeys (batch-invariant mode)
+    attn: object  # the attention kind's `keys`: an additive mask [B, 1, T, W], None (no mask: `causal` or every
+    # query sees all W columns), or a numerics.RowKeys (batch-invariant mode)
     causal: bool  # with attn None: causal over W = T columns (a prefill from column 0)
     backend: str | None  # kernel backend
+    attention: object  # the model's attention kind (OrdinaryAttention or InvariantAttention)
 
 
-def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
-    """One Linear whose output rows are `parts`' rows stacked in order. Each part is copied straight into its
-    rows of the one new buffer (no concatenated temporary), so fusing needs one extra copy of these parts."""
-    first = parts[0].weight
-    with torch.device("meta"):
-        fused = nn.Linear(first.shape[1], sum(p.out_features for p in parts), bias=parts[0].bias is not None,
-                          dtype=first.dtype)
-    fused = fused.to_empty(device=first.device)
-    row = 0
-    with torch.no_grad():
-        for p in parts:
-            fused.weight[row: row + p.out_features].copy_(p.weight)  # [out_p, in]
-            if fused.bias is not None:
-                fused.bias[row: row + p.out_features].copy_(p.bias)
-            row += p.out_features
-    return fused
+def concatenated(kernels, x, backend=None):
+    """The outputs of several linear kernels of x, side by side (a model loaded unfused: q, k, v)."""
+    return torch.cat([kernel(x, backend) for kernel in kernels], dim=-1)
 
 
 class Attention(nn.Module):
@@ -93,19 +134,25 @@ class Attention(nn.Module):
             self.k_proj = nn.Linear(E, Hkv * D, bias=cfg.attention_bias)
             self.v_proj = nn.Linear(E, Hkv * D, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(H * D, E, bias=cfg.attention_out_bias)
-        self.batch_invariant = False  # set by Transformer.batch_invariant (models/numerics.py)
-        self.packed_linear = False  # set by Transformer.packed_linear
         self.sandwich = None  # GLM-4: the layer's post_self_attn_layernorm (set by DecoderLayer)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.project_kernel = None  # (x, backend) -> q, k, v side by side [..., (H + 2 H_kv) D]: `choose_kernels`
+        self.output_kernel = None  # (out, residual, backend) -> residual + o_proj(out) [M, E]: `choose_kernels`
 
-    def fuse_(self) -> None:
-        """Replace q/k/v_proj by one `qkv_proj` (one matmul instead of three); a no-op when already fused."""
+    def choose_kernels(self, invariant: bool, packed: bool) -> None:
+        """The projections' kernels for their weights and the modes (models/numerics.py, "linear kernels")."""
         if hasattr(self, "qkv_proj"):
-            return
-        self.qkv_proj = fused_linear([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
+            self.project_kernel = numerics.linear_kernel(self.qkv_proj, invariant, packed)
+        else:  # built unfused
+            self.project_kernel = partial(concatenated, [numerics.linear_kernel(proj, invariant, packed)
+                                                         for proj in (self.q_proj, self.k_proj, self.v_proj)])
+        if self.sandwich is None:
+            self.output_kernel = numerics.linear_add_kernel(self.o_proj, invariant, packed)
+        else:  # GLM-4: the output is normed before the residual add
+            o_proj = numerics.linear_kernel(self.o_proj, invariant, packed)
+            self.output_kernel = partial(numerics.linear_norm_add, o_proj, self.sandwich)
 
     def project(self, x, cos, sin, perm, backend=None):
         """x [B T, E] or [B, T, E] (normed) -> q, k, v rotated, in one tensor [B, T, H + 2 H_kv, D] (heads q, then
@@ -113,19 +160,10 @@ class Attention(nn.Module):
         cfg = self.cfg
         B, T = cos.shape[:2]
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        invariant, packed = self.batch_invariant, self.packed_linear
-        if hasattr(self, "qkv_proj"):
-            # a quantized projection's output may stay in its kernel's dtype: `rotate` multiplies it into the
-            # tables' (the model's) dtype, which converts it exactly (unless the q/k norms come first)
-            qkv = numerics.linear(self.qkv_proj, x, invariant, backend, packed,
-                                  promoted=not cfg.qk_norm)  # [..., (H + 2 H_kv) D]
-        else:  # built unfused (`fuse_` makes the one projection)
-            qkv = torch.cat([numerics.linear(proj, x, invariant, backend, packed)
-                             for proj in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)  # [..., (H + 2 H_kv) D]
-        qkv = qkv.view(B, T, H + 2 * Hkv, D)  # [B, T, H + 2 H_kv, D]
+        qkv = self.project_kernel(x, backend).view(B, T, H + 2 * Hkv, D)  # [B, T, H + 2 H_kv, D]
         if cfg.qk_norm:  # per-head RMSNorm of q and k (their own weights), before RoPE
-            q = self.q_norm(qkv[:, :, :H])  # [B, T, H, D]
-            k = self.k_norm(qkv[:, :, H:H + Hkv])  # [B, T, H_kv, D]
+            q = self.q_norm(qkv[:, :, :H], backend)  # [B, T, H, D]
+            k = self.k_norm(qkv[:, :, H:H + Hkv], backend)  # [B, T, H_kv, D]
             qkv = torch.cat((q, k, qkv[:, :, H + Hkv:]), dim=2)  # [B, T, H + 2 H_kv, D]
         return numerics.rotate(qkv, cos, sin, perm)
 
@@ -147,15 +185,9 @@ class Attention(nn.Module):
         kv_append(kv, rot.as_strided((B, T, 2 * Hkv, D), (T * NH * D, NH * D, D, 1), H * D), step.columns,
                   step.backend, step.write)  # K, V heads of every token
         q = rot.as_strided((B, H, T, D), (T * NH * D, D, NH * D, 1))  # [B, H, T, D] view
-        if self.batch_invariant:
-            out = numerics.attention(q, k, v, step.attn, step.backend)  # [B, H, T, D]
-        else:
-            out = numerics.sdpa(q, k, v, step.attn, H != Hkv, step.causal)  # [B, H, T, D]
+        out = step.attention.attend(q, k, v, step)  # [B, H, T, D]
         out = (out.reshape(B, H * D) if T == 1 else out.transpose(1, 2).reshape(B * T, H * D))  # [M, H D]
-        if self.sandwich is not None:  # GLM-4: the output is normed before the residual add
-            return residual + self.sandwich(numerics.linear(self.o_proj, out, self.batch_invariant, step.backend,
-                                                            self.packed_linear))
-        return numerics.linear_add(self.o_proj, out, residual, self.batch_invariant, step.backend, self.packed_linear)
+        return self.output_kernel(out, residual, step.backend)
 
 
 class MLP(nn.Module):
@@ -173,33 +205,30 @@ class MLP(nn.Module):
             self.gate_proj = nn.Linear(E, I, bias=cfg.mlp_bias)
             self.up_proj = nn.Linear(E, I, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(I, E, bias=cfg.mlp_bias and not cfg.fused_gate_up)
-        self.batch_invariant = False  # set by Transformer.batch_invariant (models/numerics.py)
-        self.packed_linear = False  # set by Transformer.packed_linear
         self.sandwich = None  # GLM-4: the layer's post_mlp_layernorm (set by DecoderLayer)
+        self.kernel = None  # (x, residual, backend) -> residual + MLP(x) [M, E]: `choose_kernels`
 
-    def fuse_(self) -> None:
-        """Replace gate_proj/up_proj by one `gate_up_proj` (gate first), as GLM-4 stores it."""
-        if self.fused:
+    def choose_kernels(self, invariant: bool, packed: bool, device: torch.device, dtype: torch.dtype) -> None:
+        """The MLP's kernel for its weights, the activations' device and dtype and the modes (models/numerics.py)."""
+        silu = numerics.silu_kernel(invariant, device, dtype)
+        if self.fused and self.sandwich is None:
+            self.kernel = numerics.gated_mlp_kernel(self.gate_up_proj, self.down_proj, invariant, packed, silu)
             return
-        self.gate_up_proj = fused_linear([self.gate_proj, self.up_proj])
-        del self.gate_proj, self.up_proj
-        self.fused = True
+        if self.fused:
+            gate_up = partial(numerics.gate_and_up, numerics.linear_kernel(self.gate_up_proj, invariant, packed))
+        else:
+            gate_up = partial(numerics.separate_gate_and_up, numerics.linear_kernel(self.gate_proj, invariant, packed),
+                              numerics.linear_kernel(self.up_proj, invariant, packed))
+        if self.sandwich is None:
+            down_add = numerics.linear_add_kernel(self.down_proj, invariant, packed)
+        else:  # GLM-4: the output is normed before the residual add
+            down_add = partial(numerics.linear_norm_add, numerics.linear_kernel(self.down_proj, invariant, packed),
+                               self.sandwich)
+        self.kernel = partial(numerics.gated_mlp, gate_up, down_add, silu)
 
     def forward(self, x, residual, backend=None):
         """residual + MLP(x): x (normed), residual [M, E]."""
-        invariant, packed = self.batch_invariant, self.packed_linear
-        if not self.fused:
-            gate = numerics.linear(self.gate_proj, x, invariant, backend, packed)
-            up = numerics.linear(self.up_proj, x, invariant, backend, packed)
-            out = numerics.silu(gate, invariant) * up
-        elif self.sandwich is None:
-            return numerics.gated_mlp(self.gate_up_proj, self.down_proj, x, residual, invariant, backend, packed)
-        else:
-            gate, up = numerics.linear(self.gate_up_proj, x, invariant, backend, packed).chunk(2, dim=-1)  # gate first
-            out = numerics.silu(gate, invariant) * up
-        if self.sandwich is not None:  # GLM-4: the output is normed before the residual add
-            return residual + self.sandwich(numerics.linear(self.down_proj, out, invariant, backend, packed))
-        return numerics.linear_add(self.down_proj, out, residual, invariant, backend, packed)
+        return self.kernel(x, residual, backend)
 
 
 class DecoderLayer(nn.Module):
@@ -216,16 +245,29 @@ class DecoderLayer(nn.Module):
             object.__setattr__(self.self_attn, "sandwich", self.post_self_attn_layernorm)
             object.__setattr__(self.mlp, "sandwich", self.post_mlp_layernorm)
 
+    def choose_kernels(self, invariant: bool, packed: bool) -> None:
+        """The sublayers' kernels (the activations' device and dtype: the norms' weight's; the norms choose theirs
+        in `Transformer.choose_kernels`)."""
+        norm = self.input_layernorm.weight
+        self.self_attn.choose_kernels(invariant, packed)
+        self.mlp.choose_kernels(invariant, packed, norm.device, norm.dtype)
+
     def forward(self, h, step: StepInputs, perm, kv, k, v):
         """h [M, E] -> [M, E]; kv, k, v: this layer's cache and its K/V views (see `Attention.forward`)."""
-        h = self.self_attn(self.input_layernorm(h), h, step, perm, kv, k, v)
-        return self.mlp(self.post_attention_layernorm(h), h, step.backend)
+        h = self.self_attn(self.input_layernorm(h, step.backend), h, step, perm, kv, k, v)
+        return self.mlp(self.post_attention_layernorm(h, step.backend), h, step.backend)
 
 
 class Transformer(nn.Module):
     """Decoder-only LM. Implements the model protocol of docs/api.md: `new_cache`, `forward`, `vocab_size`.
 
-    `fused=True` builds the fused q/k/v and gate/up projections directly (see `fusion_layout`)."""
+    `fused=True` builds the fused q/k/v and gate/up projections directly (see `fusion_layout`).
+
+    Each mode is chosen once, where it is set, and the forward then runs what was chosen: `choose_kernels` gives
+    every linear site, norm and SiLU its kernel (from the weights' format, device and dtype and the
+    `batch_invariant` / `packed_linear` modes) and the model its attention kind; `_choose_step` picks the step's
+    path (eager, `compile_forward`'s compiled forward, or `use_graphs`' CUDA graphs). Setting a mode, moving or
+    casting the model (`.to()`) and `load_state_dict` (the loaders' last step) choose again."""
 
     def __init__(self, cfg: ModelConfig, fused: bool = False):
         super().__init__()
@@ -237,8 +279,8 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:  # the local: a subclass may redefine `embed_tokens` (models/feature_draft.py)
             self.lm_head.weight = embed_tokens.weight
-        self.compiled_forward = None  # set by `compile_forward`
-        self.graph_runner = None  # models/graphs.py GraphRunner: plain steps as CUDA graph replays (`use_graphs`)
+        self._compiled_forward = None  # `compile_forward`'s
+        self._graph_runner = None  # models/graphs.py GraphRunner (`use_graphs`)
         self._compile_mode = None
         self._batch_invariant = False
         self._packed_linear = False
@@ -246,40 +288,97 @@ class Transformer(nn.Module):
         self._rope_table = None  # (cos, sin) [N, R] for positions 0..N-1 (`rope_table`)
         self._rope_heads = None  # (cos, sin) [N + 1, D] and perm [D], from `_rope_table` (`rope_heads`)
         self._write_constants = {}  # (B, H_kv, device) -> `kv_append.write_constants`
+        self.attention_kind = ORDINARY_ATTENTION  # `choose_kernels`'
+        self.head_kernel = None  # (h, backend) -> logits: `choose_kernels`'
+        self._run_step = self._eager_step  # `_choose_step`'
+        Transformer.choose_kernels(self)  # the parts built here (a subclass chooses again once it has built its own)
+
+    def choose_kernels(self) -> None:
+        """Give every linear site, norm and SiLU of the model its kernel, and the model its attention kind, for the
+        weights' format, device and dtype and the modes; packs the weights the chosen kernels read packed."""
+        invariant, packed = self._batch_invariant, self._packed_linear
+        for layer in self.layers:
+            layer.choose_kernels(invariant, packed)
+        for module in self.modules():  # the model's own norms (a feature draft's borrowed final norm is the target's)
+            if isinstance(module, RMSNorm):
+                module.choose_kernel(invariant)
+        self.head_kernel = numerics.linear_kernel(self.lm_head, invariant, packed)
+        if invariant:
+            if self._bi_workspace is None:
+                self._bi_workspace = numerics.Workspace()
+            self.attention_kind = InvariantAttention(self._bi_workspace)
+        else:
+            self.attention_kind = ORDINARY_ATTENTION
+
+    def _choose_step(self) -> None:
+        """The step's path: CUDA graphs (`use_graphs`; not with a compiled forward), the compiled forward (not in
+        batch-invariant mode: inductor picks its own kernels), or eager."""
+        if self._graph_runner is not None and self._compiled_forward is None:
+            self._run_step = self._graphed_step
+        elif self._compiled_forward is not None and not self._batch_invariant:
+            self._run_step = self._compiled_step
+        else:
+            self._run_step = self._eager_step
+
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.float()`, `.cuda()`...: the kernels are chosen again for the new dtype and device."""
+        super()._apply(fn, recurse)
+        self.choose_kernels()
+        return self
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """nn.Module's; the kernels are chosen again (`assign` may bring another dtype or device)."""
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self.choose_kernels()
+        return result
+
+    @property
+    def compiled_forward(self):
+        """`forward_tensors` compiled by `compile_forward` (None: not compiled)."""
+        return self._compiled_forward
+
+    @compiled_forward.setter
+    def compiled_forward(self, compiled) -> None:
+        self._compiled_forward = compiled
+        self._choose_step()
+
+    @property
+    def graph_runner(self):
+        """models/graphs.py GraphRunner: plain steps as CUDA graph replays (`use_graphs`), or None."""
+        return self._graph_runner
+
+    @graph_runner.setter
+    def graph_runner(self, runner) -> None:
+        self._graph_runner = runner
+        self._choose_step()
 
     @property
     def batch_invariant(self) -> bool:
         """Batch-invariant numerics (models/numerics.py): a token's logits are the same bits whatever else
-        shares its forward (B, T, row, padding). Set it on the model (`model.batch_invariant = True`); the
-        forward then runs eager (a compiled forward is not used: inductor picks its own kernels)."""
+        shares its forward (B, T, row, padding). Set it on the model (`model.batch_invariant = True`): the kernels
+        are chosen again, and the forward then runs eager (a compiled forward is not used: inductor picks its own
+        kernels)."""
         return self._batch_invariant
 
     @batch_invariant.setter
     def batch_invariant(self, on: bool) -> None:
         self._batch_invariant = bool(on)
-        for layer in self.layers:
-            layer.self_attn.batch_invariant = layer.mlp.batch_invariant = bool(on)
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.batch_invariant = bool(on)
+        self.choose_kernels()
+        self._choose_step()
 
     @property
     def packed_linear(self) -> bool:
-        """CPU float32 linear layers through oneDNN on weights packed once, for steps of two or more token
-        rows (models/numerics.py says why; `LLM` turns it on by default where `numerics.packing_pays`).
-        Costs one packed copy of every linear weight; other dtypes and devices ignore it."""
+        """CPU float32 linear layers through oneDNN on weights packed once, for steps of up to
+        `numerics.PACKED_MAX_ROWS` token rows (models/numerics.py says why; `LLM` turns it on by default where
+        `numerics.packing_pays`). Costs one packed copy of the linear weights (packed when it is set); other dtypes
+        and devices ignore it."""
         return self._packed_linear
 
     @packed_linear.setter
     def packed_linear(self, on: bool) -> None:
         self._packed_linear = bool(on)
-        for layer in self.layers:
-            layer.self_attn.packed_linear = layer.mlp.packed_linear = bool(on)
-        if on:  # pack now, not inside the first timed step
-            for module in self.modules():
-                if isinstance(module, nn.Linear):
-                    numerics.packed_weight(module)
-        elif not self.batch_invariant:
+        self.choose_kernels()
+        if not on and not self.batch_invariant:
             numerics.drop_packed_weights(self)
 
     @property
@@ -316,20 +415,15 @@ class Transformer(nn.Module):
         self._rope_table = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))  # [N, R] each
         return self._rope_table
 
-    def rope(self, positions, count: int | None = None):
-        """cos, sin: [B, 1, T, R] in the model dtype, for positions [B, T], looked up in `rope_table`. `count`:
-        a host bound on the positions (every one below it; the forward passes the cache's capacity); None
-        reads it from `positions` (one device read, for checks and training)."""
-        cos, sin = self.rope_table(int(positions.max()) + 1 if count is None else count)
-        return cos[positions][:, None], sin[positions][:, None]
-
     def rope_heads(self, positions, count: int | None = None, tables=None):
         """The tables of `numerics.rotate` for positions [B, T]: cos, sin [B, T, H + 2 H_kv, D] and perm [D].
 
         Built from `rope_table` (the same cos/sin bits) as one [N + 1, D] table pair per model: row p holds
         position p's cos and its sin with rotate-half's (or rotate-pairs') sign folded in, over D columns
         (cos 1, sin 0 past the rotary dims); row N is the identity (cos 1, sin 0), which V's heads look up.
-        `count`: as in `rope`; `tables`: `rope_head_table(count)`'s, when the caller has them."""
+        `count`: a host bound on the positions (every one below it; the forward passes the cache's width); None
+        reads it from `positions` (one device read, for checks and training); `tables`: `rope_head_table(count)`'s,
+        when the caller has them."""
         if tables is None:
             tables = self.rope_head_table(int(positions.max()) + 1 if count is None else count)
         cos_h, sin_h, perm, index_v = tables
@@ -394,44 +488,56 @@ class Transformer(nn.Module):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         if hidden not in (None, "all", "last"):
             raise ValueError(f"hidden must be None, 'all' or 'last', got {hidden!r}")
+        return self._run_step(input_ids, cache, num_new, logits, features, hidden)
+
+    def _eager_step(self, input_ids, cache: KVCache, num_new, logits: str, features, hidden):
+        """`forward` over the columns in use, with the mask the attention kind needs for this step (none where a
+        prefill from column 0 is causal or every query sees all columns, unless the kind always masks)."""
         B, T = input_ids.shape
-        if self.graph_runner is not None and self.compiled_forward is None:
-            out = self.graph_runner.run(input_ids, cache, logits, hidden, num_new, features)
-            if out is not None:  # a replay (or, without capture, its static-buffer path); else eager below
-                return out
-        compiled = self.compiled_forward is not None and num_new is None  # steps; prefills (varied shapes) run eager
-        compiled = compiled and not self.batch_invariant
         host_new = [T] * B if num_new is None else list(num_new)
-        # every row's first T tokens at columns 0..T-1, none of them padding: attention is causal, no mask
-        causal = not compiled and all(s == 0 and n == 0 for s, n in zip(cache.host_start, cache.host_length)) \
-            and all(n == T for n in host_new)
-        # one token per row, every row seeing every column 0..W-1 (B = 1, or rows of one length): no mask
-        unmasked = not compiled and T == 1 and len({e + 1 for e in cache.host_end}) == 1 and \
-            all(s == 0 for s in cache.host_start)
-        need_mask = self.batch_invariant or compiled or not (causal or unmasked)
-        plan = cache.plan(T, num_new, full_width=compiled, mask=need_mask)
-        tables = self.rope_head_table(cache.capacity)  # positions < capacity; built (or grown) outside a graph
+        masked, causal = self.attention_kind.step_mask(cache, host_new, T)
+        plan = cache.plan(T, num_new, mask=masked)
+        tables = self.rope_head_table(cache.capacity)  # positions < capacity
         last_index = None  # [B] each row's last real token, when it is not token T - 1
         if logits == "last" and not cache.left_padded and any(n != T for n in plan.host_num_new):
             last_index = plan.num_new - 1
-        kv = cache.kv if compiled else cache.kv[:, :, :, :, :plan.width]  # [L, 2, B, H_kv, W, D]
-        if compiled:  # one graph for every step: scatter writes, all T logits, inductor's own kernels
-            marks = [(input_ids, (0, 1)), (kv, (2, 4)), (plan.positions, (0, 1)), (plan.columns, (0, 1)),
-                     (plan.mask, (0, 1, 2)), (tables[0], (0,)), (tables[1], (0,))]  # the tables grow too
-            if features is not None:
-                marks.append((features, (0, 1)))
-            for t, dims in marks:
-                for dim in dims:  # rows, new tokens and cache capacity vary: one graph for all of them
-                    torch._dynamo.maybe_mark_dynamic(t, dim)
-            out = self.compiled_forward(input_ids, kv, plan.positions, plan.columns, plan.mask, None, False,
-                                        "torch", features, hidden, False, tables)
-            if logits == "last":  # every row's last token is token T - 1 here (num_new is None)
-                out = (out[0][:, -1:], out[1][:, -1:] if hidden == "last" else out[1]) if hidden else out[:, -1:]
-        else:
-            out = self.forward_tensors(input_ids, kv, plan.positions, plan.columns, plan.mask, last_index,
-                                       logits == "last", cache.backend, features, hidden, causal)
+        kv = cache.kv[:, :, :, :, :plan.width]  # [L, 2, B, H_kv, W, D]
+        out = self.forward_tensors(input_ids, kv, plan.positions, plan.columns, plan.mask, last_index,
+                                   logits == "last", cache.backend, features, hidden, causal, tables)
         cache.advance(plan)
         return out
+
+    def _compiled_step(self, input_ids, cache: KVCache, num_new, logits: str, features, hidden):
+        """`forward` through the compiled forward (`compile_forward`): one graph for every step (scatter writes
+        over the cache's full width, all T logits, inductor's own kernels); a prefill (`num_new`: rows of varied
+        lengths) runs eager."""
+        if num_new is not None:
+            return self._eager_step(input_ids, cache, num_new, logits, features, hidden)
+        T = input_ids.shape[1]
+        plan = cache.plan(T, None, full_width=True)
+        tables = self.rope_head_table(cache.capacity)  # positions < capacity; built (or grown) outside the graph
+        kv = cache.kv  # [L, 2, B, H_kv, C, D]
+        marks = [(input_ids, (0, 1)), (kv, (2, 4)), (plan.positions, (0, 1)), (plan.columns, (0, 1)),
+                 (plan.mask, (0, 1, 2)), (tables[0], (0,)), (tables[1], (0,))]  # the tables grow too
+        if features is not None:
+            marks.append((features, (0, 1)))
+        for t, dims in marks:
+            for dim in dims:  # rows, new tokens and cache capacity vary: one graph for all of them
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+        out = self._compiled_forward(input_ids, kv, plan.positions, plan.columns, plan.mask, None, False, "torch",
+                                     features, hidden, False, tables)
+        if logits == "last":  # every row's last token is token T - 1 here (num_new is None)
+            out = (out[0][:, -1:], out[1][:, -1:] if hidden == "last" else out[1]) if hidden else out[:, -1:]
+        cache.advance(plan)
+        return out
+
+    def _graphed_step(self, input_ids, cache: KVCache, num_new, logits: str, features, hidden):
+        """`forward` as a replay of the step's CUDA graph (models/graphs.py) where one serves the step (every row
+        T real tokens, within the runner's bounds); else eager."""
+        runner = self._graph_runner
+        if runner.takes(input_ids, cache, num_new):
+            return runner.run(input_ids, cache, logits, hidden, features)
+        return self._eager_step(input_ids, cache, num_new, logits, features, hidden)
 
     def embed(self, input_ids, features=None, backend=None):
         """The first layer's input [B, T, E] (a feature draft mixes in the target's hidden states)."""
@@ -441,7 +547,7 @@ class Transformer(nn.Module):
 
     def head(self, h, backend=None):
         """Logits [B, T, V] of the last layer's output h [B, T, E]."""
-        return numerics.linear(self.lm_head, self.norm(h), self.batch_invariant, backend, self.packed_linear)
+        return self.head_kernel(self.norm(h, backend), backend)
 
     def forward_tensors(self, input_ids, kv, positions, columns, mask, last_index, last_only: bool,
                         backend: str | None = None, features=None, hidden: str | None = None, causal: bool = False,
@@ -464,16 +570,8 @@ class Transformer(nn.Module):
                 if not torch.compiler.is_compiling():
                     self._write_constants[key] = constants
             write = write_index(columns, kv.shape[3], constants)
-        if self.batch_invariant:
-            if self._bi_workspace is None:
-                self._bi_workspace = numerics.Workspace()
-            attn = numerics.row_keys(mask, self._bi_workspace)  # the mask, each row's first key
-        elif mask is None:
-            attn = None  # numerics.sdpa: causal, or no mask at all
-        else:
-            zero = torch.zeros((), dtype=self.dtype, device=input_ids.device)
-            attn = torch.where(mask, zero, float("-inf"))[:, None]  # [B, 1, T, W], once for all layers
-        step = StepInputs(B, T, cos, sin, columns, write, attn, causal, backend)
+        kind = self.attention_kind
+        step = StepInputs(B, T, cos, sin, columns, write, kind.keys(mask, self.dtype), causal, backend, kind)
         layer_kv, ks, vs = kv.unbind(0), kv[:, 0].unbind(0), kv[:, 1].unbind(0)  # L x [2, B, H_kv, W, D], L x [B, H_kv, W, D]
         h = self.embed(input_ids, features, backend)  # [B, T, E]
         h = h.view(B * T, -1)  # [M, E]
@@ -535,14 +633,6 @@ class Transformer(nn.Module):
         layer = self.layers[0]
         _, k, v = layer.self_attn.qkv(layer.input_layernorm(self.embed_tokens(token_ids)), *self.rope_heads(positions))
         return k, v
-
-    def fuse_(self) -> "Transformer":
-        """Fuse q/k/v and gate/up projections (fewer, larger matmuls) of a model built unfused; `load_model`
-        instead builds the model fused and reads each projection straight into its rows."""
-        for layer in self.layers:
-            layer.self_attn.fuse_()
-            layer.mlp.fuse_()
-        return self
 
 
 def fusion_layout(cfg: ModelConfig) -> dict[str, tuple[str, int, tuple[int, ...]]]:

@@ -2,11 +2,12 @@
 
 - **Cost model.** A forward's time as a function of M = rows x new tokens, for the target and for the
   draft, measured on the machine the job runs on: a few timed forwards at start-up (bounded by a time
-  budget), cached in a small JSON file per model pair / dtype / device / threads / batch size, and
-  interpolated piecewise-linearly in M. A cached table is trusted only while a spot check agrees with
-  it (one target and one draft forward at the batch size, each within a factor 1.5 of the table: a table
-  measured while the machine was busy, or before a driver/library change, is measured again). A step
-  of k drafts on B rows then costs `t_draft(B * T0) + (k - 1) * t_draft(B) + t_target(B * (k + 1))`
+  budget), timed and cached by the start-up measurement (specdec/startup.py: one warm-up per model, one
+  cache file keyed by host, model pair, dtype and threads, here also by forward variant, batch size, k_max
+  and context), and interpolated piecewise-linearly in M. A cached table is trusted only while a spot check
+  agrees with it (one target and one draft forward at the batch size, each within a factor 1.5 of the
+  table: a table measured while the machine was busy, or before a driver/library change, is measured
+  again). A step of k drafts on B rows then costs `t_draft(B * T0) + (k - 1) * t_draft(B) + t_target(B * (k + 1))`
   (T0: the first draft forward's length, 2 or more after steps without the draft), a step of k = 0
   `t_target(B)`, each times a factor learned online from the steps' own wall times (measured over
   predicted, the median of the last few steps, per B for k > 0 and for k = 0): it covers the rest of
@@ -39,16 +40,13 @@ from __future__ import annotations
 
 import bisect
 import copy
-import hashlib
-import json
-import os
 import statistics
 import time
 from collections import deque
 
-import torch
-
-from specdec import timing
+from specdec import startup
+from specdec.batch import DRAFT_LAG
+from specdec.startup import StartupMeasurement, forward_variant, model_identity
 
 DEFAULT_BUDGET_S = 2.0
 COST_MODEL_VERSION = 3  # in the cache key: tables of an older grid are measured again (3: smaller
@@ -57,7 +55,6 @@ CATCH_UP_TOKENS = 64  # the draft is also timed at this many tokens per row (cap
 EXPLORE_ACCEPTANCE = 0.8  # exploring is worth it only where a draft accepting this often would pay
 SCALE_WINDOW = 9  # steps in the robust (median) estimate of measured over predicted step time
 ZERO_SAMPLES = 3  # k = 0 steps timed before its scale is trusted (a median of one is the first step's outlier)
-SPOT_CHECK_FACTOR = 1.5  # a cached cost table is measured again when a spot check is off by more than this
 
 
 # -------------------------------------------------------------------------------------------- cost table
@@ -99,6 +96,11 @@ class CostTable:
         return {"target": {str(m): t for m, t in sorted(self.target.items())},
                 "draft": {str(m): t for m, t in sorted(self.draft.items())}}
 
+    @classmethod
+    def from_dict(cls, entry: dict) -> "CostTable":
+        """The table `as_dict` wrote (a KeyError, TypeError or ValueError for anything else)."""
+        return cls(entry["target"], entry["draft"])
+
 
 def grid(batch_size: int, k_max: int, context: int = 2) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """(rows, new tokens) shapes to time, most useful first: target at T = 1 and 2 of a full batch, at
@@ -116,20 +118,12 @@ def grid(batch_size: int, k_max: int, context: int = 2) -> tuple[list[tuple[int,
     return target, draft
 
 
-@torch.inference_mode()
-def time_forward(model, rows: int, new_tokens: int, context: int, vocab: int, repeats: int,
-                 logits: str) -> tuple[float, float]:
-    """(median wall time of a forward of `new_tokens` tokens per row on top of a `context`-token prefix,
-    seconds spent warming up: the prefill and the first, untimed forward, where a compiled model compiles)."""
-    return timing.time_forward(model, rows, new_tokens, context, repeats, logits, vocab=vocab)
-
-
-def calibrate(target, draft, batch_size: int, k_max: int, context: int, vocab: int,
+def calibrate(target, draft, batch_size: int, k_max: int, context: int, vocab: int, measurement: StartupMeasurement,
               budget_s: float = DEFAULT_BUDGET_S) -> CostTable:
-    """Time the grid's shapes, most useful first, until the budget is spent (at least the target at T = 1
-    and 2 of a full batch and at T = 1 of every smaller batch, and the draft's first three shapes). Three
-    repeats per shape, one if the forwards are slow. Warm-ups do not count against the budget: with
-    compile=True the first forward of a new shape compiles, which is not what a step costs."""
+    """Time the grid's shapes with `measurement`, most useful first, until the budget is spent (at least the
+    target at T = 1 and 2 of a full batch and at T = 1 of every smaller batch, and the draft's first three
+    shapes). Three repeats per shape, one if the forwards are slow. Prefills and warm-ups do not count against
+    the budget: with compile=True the first forward of a new shape compiles, which is not what a step costs."""
     t_grid, d_grid = grid(batch_size, k_max, context)
     if draft is None:  # a proposer without a model: its drafts cost no forward (an empty draft table)
         d_grid = []
@@ -147,22 +141,22 @@ def calibrate(target, draft, batch_size: int, k_max: int, context: int, vocab: i
             break
         repeats = 3 if spent < budget_s / 2 else 1
         m = rows * T
-        t, warm_up = time_forward(model, rows, T, context, vocab, repeats, logits)
-        excluded += warm_up
+        t, before = measurement.time_forward(model, rows, T, context, repeats, logits, vocab=vocab)
+        excluded += before
         tables[name][m] = min(t, tables[name].get(m, float("inf")))
     return CostTable(monotone(tables["target"]), monotone(tables["draft"]))
 
 
 def agrees(table: CostTable, target, draft, batch_size: int, context: int, vocab: int,
-           factor: float = SPOT_CHECK_FACTOR) -> bool:
-    """Whether one timed target and one draft forward of one token per row (median of 3) are within
-    `factor` of what the table predicts: the check a cached table passes before it is used."""
+           measurement: StartupMeasurement, factor: float = startup.SPOT_CHECK_FACTOR) -> bool:
+    """Whether one target and one draft forward of one token per row (median of 3, timed by `measurement`)
+    are within `factor` of what the table predicts: the check a cached table passes before it is used."""
     for model, predicted, logits in ((target, table.target_time(batch_size), "all"),
                                      (draft, table.draft_time(batch_size), "last")):
         if model is None:
             continue
-        measured, _ = time_forward(model, batch_size, 1, context, vocab, 3, logits)
-        if not predicted / factor <= measured <= predicted * factor:
+        measured, _ = measurement.time_forward(model, batch_size, 1, context, 3, logits, vocab=vocab)
+        if not startup.within_factor(measured, predicted, factor):
             return False
     return True
 
@@ -183,81 +177,21 @@ def monotone(table: dict[int, float]) -> dict[int, float]:
 
 
 # ------------------------------------------------------------------------------------------- cost cache
-def default_cache_path() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "specdec", "costs.json")
-
-
-def model_identity(model, spec) -> str | None:
-    """What identifies a model's costs: its checkpoint files (path, size, mtime) and config; None for
-    model objects given directly (their costs are not cached)."""
-    if not isinstance(spec, (str, os.PathLike)):
-        return None
-    path = os.path.realpath(os.fspath(spec))
-    if os.path.isfile(path):  # a single-file checkpoint (.gguf)
-        st = os.stat(path)
-        return hashlib.sha256(f"{path}|{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    parts = [path]
-    for name in sorted(os.listdir(path)):
-        if name.endswith((".safetensors", ".json")):
-            st = os.stat(os.path.join(path, name))
-            parts.append(f"{name}:{st.st_size}:{int(st.st_mtime)}")
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-def forward_variant(model) -> str:
-    """How a model's forward runs, as far as its cost goes: eager or compiled, replayed CUDA graphs or not,
-    batch-invariant or not, packed linear weights or not."""
-    runner = getattr(model, "graph_runner", None)
-    graphs = runner is not None and getattr(runner, "capture", False) and not getattr(runner, "failed", None) \
-        and getattr(model, "compiled_forward", None) is None  # (a compiled forward runs without the runner)
-    invariant = bool(getattr(model, "batch_invariant", False))
-    compiled = getattr(model, "compiled_forward", None) is not None and not invariant  # the mode runs eager
-    packed = bool(getattr(model, "packed_linear", False)) and not invariant and not compiled
-    quantized = getattr(model, "quantize", None)  # int8 / int4 weights (models/quant.py) cost other times
-    parts = ["compiled" if compiled else "eager", "+graphs" if graphs else "", "+batch-invariant" if invariant else "",
-             "+packed" if packed else "", f"+{quantized}" if quantized else ""]
-    return "".join(parts)
-
-
 def cache_key(target_id: str, draft_id: str, dtype, device, batch_size: int, k_max: int, context: int,
               variant: str = "eager") -> str:
+    """The start-up measurement's cache entry of a cost table (`startup.cache_key`: host, models, dtype,
+    threads), by the grid's version, the forwards' variants, batch size, k_max and power-of-two context."""
     context_bucket = 1 << max(context - 1, 1).bit_length()  # costs are cached per power-of-two context
-    return (f"v{COST_MODEL_VERSION}/{target_id}/{draft_id}/{dtype}/{torch.device(device).type}/"
-            f"threads={torch.get_num_threads()}/{variant}/B={batch_size}/k={k_max}/ctx={context_bucket}")
+    return startup.cache_key("auto-k", [target_id, draft_id], dtype, device, f"grid=v{COST_MODEL_VERSION}", variant,
+                             f"B={batch_size}", f"k={k_max}", f"ctx={context_bucket}")
 
 
-def load_costs(path: str, key: str) -> CostTable | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            entry = json.load(f).get(key)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(entry, dict):
-        return None
-    try:
-        return CostTable(entry["target"], entry["draft"])
-    except (KeyError, TypeError, ValueError):
-        return None
+def describe_costs(table: CostTable, batch_size: int) -> str:
+    """What a cost table holds, for the start-up summary: the forwards' token counts (M) of each model."""
+    def span(times: dict[int, float]) -> str:
+        return f"{min(times)}-{max(times)} tokens" if times else "none (no draft model)"
 
-
-def save_costs(path: str, key: str, table: CostTable) -> None:
-    """Best effort (a read-only home must not stop a run): merge the entry into the JSON file atomically."""
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            data = data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            data = {}
-        data[key] = table.as_dict()
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    return f"auto-k costs at B={batch_size}: target {span(table.target)}, draft {span(table.draft)}"
 
 
 # ------------------------------------------------------------------------------------------------ chooser
@@ -395,7 +329,7 @@ class KChooser:
             self.last = (B, 0, 2, self.step_time(B, 0))
             return 0  # nothing on offer: nothing to weigh (the exploration streak is not advanced either)
         # the next draft forward's length (a proposer without a model has no draft cache: no catch-up)
-        first = batch.draft_lag()[0] if batch.draft_cache is not None else 2
+        first = batch.draft_lag()[0] if batch.draft_cache is not None else DRAFT_LAG
         alphas = [self.alpha(r) for r in batch.requests]
         left = sum(max(r.params.max_tokens - len(r.output_ids), 1) for r in batch.requests)  # at most
         k = self.best_k(alphas, B, offers=offers)  # at steady state: a catch-up is paid once, weighed next
@@ -461,30 +395,28 @@ class KChooser:
 def make_chooser(llm) -> KChooser:
     """The chooser of an LLM with num_speculative_tokens="auto"; its costs are measured at the first
     `generate` (`prepare_chooser`), when the prompt lengths are known."""
-    return KChooser(llm.options.max_speculative_tokens)
+    return KChooser(llm.options.speculation.max_speculative_tokens)
 
 
 def prepare_chooser(llm, chooser: KChooser, requests, target_spec, draft_spec, batch_size: int) -> None:
-    """Calibrate (or load cached) costs for this batch size and the requests' typical context: once per
-    (batch size, context bucket) in the run, from the cache file when an entry exists."""
+    """Calibrate (or read cached) costs for this batch size and the requests' typical context: once per
+    (batch size, context bucket) in the run, timed and cached by the LLM's start-up measurement (`llm.startup`)."""
+    speculation = llm.options.speculation
     context = int(statistics.median(len(r.prompt_ids) + r.params.max_tokens // 2 for r in requests))
-    context = max(1, min(context, llm.max_context - llm.options.k_max - 2))
-    path = llm.options.cost_cache if llm.options.cost_cache is not None else default_cache_path()
+    context = max(1, min(context, llm.max_context - speculation.k_max - 2))
     # a proposer without a model is named by its kind: the table then holds the target alone
     draft_id = model_identity(llm.draft, draft_spec) if llm.draft is not None else "no-draft-model"
     ids = model_identity(llm.target, target_spec), draft_id
     variant = "/".join(forward_variant(m) for m in (llm.target, llm.draft) if m is not None)
     key = cache_key(ids[0] or "object", ids[1] or "object", llm.target.dtype, llm.device, batch_size,
-                    llm.options.k_max, context, variant)
+                    speculation.k_max, context, variant)
     if chooser.costs is not None and chooser.key in (None, key):  # costs given by the caller, or already these
         return
-    cacheable = bool(path) and None not in ids
-    chooser.costs = load_costs(path, key) if cacheable else None
-    if chooser.costs is not None and not agrees(chooser.costs, llm.target, llm.draft, batch_size, context,
-                                                llm.vocab_size):
-        chooser.costs = None
-    if chooser.costs is None:
-        chooser.costs = calibrate(llm.target, llm.draft, batch_size, llm.options.k_max, context, llm.vocab_size)
-        if cacheable:
-            save_costs(path, key, chooser.costs)
+    measurement = llm.startup
+    chooser.costs, _ = measurement.measure(
+        key if None not in ids else None,
+        lambda: calibrate(llm.target, llm.draft, batch_size, speculation.k_max, context, llm.vocab_size, measurement),
+        decode=CostTable.from_dict,
+        describe=lambda table: describe_costs(table, batch_size), encode=CostTable.as_dict,
+        check=lambda table: agrees(table, llm.target, llm.draft, batch_size, context, llm.vocab_size, measurement))
     chooser.key = key

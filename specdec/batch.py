@@ -6,11 +6,12 @@ emitted tokens):
 - `tokens[i, :len(s)]` holds s on the device and `seq_len[i] = len(s)` (what the next forward feeds is
   gathered from there: nothing is rebuilt from Python lists per step);
 - the target cache holds s[:-1] (`length = len(s) - 1`): the last token, already emitted, is fed next;
-- the draft cache holds a prefix s[:len(s) - lag] with lag >= 2 (2 after a speculative step, one more
-  after each step that did not run the draft, k = 0; the whole sequence when the draft's prefill was
-  deferred, see `DecodeContext.prefill_draft`). A feature draft (models/feature_draft.py) keeps only what it
-  fed with the target's own features: lag >= 1 (a + 1 after a step that accepted a drafts), and
-  `features[i, p]` holds the target's hidden state at position p for every p < len(s) - 1.
+- the draft cache holds a prefix s[:len(s) - lag] with lag >= 2 (`DRAFT_LAG` = 2 after a prefill or a
+  speculative step, one more after each step that did not run the draft, k = 0; the whole sequence when the
+  draft's prefill was deferred, see `DecodeContext.prefill_draft`). A feature draft (models/feature_draft.py)
+  keeps only what it fed with the target's own features: lag >= 1 (a + 1 after a step that accepted a
+  drafts), and `features[i, p]` holds the target's hidden state at position p for every p < len(s) - 1.
+  The rule, in one place: `Batch.set_draft_lag`, called by every prefill and every draft model's step.
   A speculative step's first draft forward feeds the last T = max(lag) tokens of every row, re-writing the
   columns of tokens it already holds (identical K/V), so one uniform forward covers every row whatever its
   lag, and the draft is always in step even when all k drafts were accepted (the k-th draft is proposed but
@@ -30,9 +31,14 @@ import torch
 from specdec.models.cache import LEFT_PADDED, RAGGED
 
 from .metrics import PhaseTimer, RunMetrics
-from .options import EngineOptions, positions_needed
+from .options import Options, positions_needed
 from .request import Request
 from .sampling import RowParams, probs_dtype
+
+
+DRAFT_LAG = 2
+"""Tokens a draft model's cache trails each row's sequence by after it drafted (`Batch.set_draft_lag`, the
+rule's one home, says why)."""
 
 
 class NonFiniteLogitsError(ValueError):
@@ -43,7 +49,7 @@ class NonFiniteLogitsError(ValueError):
 class DecodeContext:
     target: object  # model protocol: forward(input_ids, cache, num_new=None, logits=...), new_cache(...)
     draft: object | None
-    options: EngineOptions
+    options: Options
     vocab_size: int  # logits are cut to the shared vocabulary (embeddings may be padded)
     device: torch.device
     metrics: RunMetrics
@@ -57,7 +63,7 @@ class DecodeContext:
     @property
     def k_max(self) -> int:
         """The most drafts a step may propose (0 without a proposer)."""
-        return self.options.k_max if self.proposer is not None else 0
+        return self.options.speculation.k_max if self.proposer is not None else 0
 
     @property
     def probs_dtype(self) -> torch.dtype:
@@ -65,7 +71,7 @@ class DecodeContext:
 
     @property
     def kernel_backend(self) -> str | None:
-        return self.options.kernel_backend
+        return self.options.load.kernel_backend
 
     @property
     def feature_draft(self) -> bool:
@@ -161,21 +167,30 @@ class Batch:
         self.draft_cache.set_rows(length=(self.seq_len - T).clamp(min=0), host_length=[s - f for s, f in zip(seq, fed)])
         return T, fed
 
-    def draft_accepted(self, seq_before: list[int], counts: list[int], num_accepted, replaced=None) -> None:
-        """After a verification that accepted counts[i] drafts (num_accepted [B] on the device): the draft
-        keeps the accepted drafts it has fed (all but the k-th), a lag of 2 behind the sequence. A feature
-        draft fed its drafts with its own features, not the target's: it keeps only the sequence before the
-        step (lag a + 1), and re-feeds the accepted tokens with the target's features next step. So does a
-        row whose drafts came from elsewhere (`replaced`, host list of bools: a lookup's drafts): what the
-        draft fed after the sequence was not what the row accepted."""
-        before = self.target_cache.length - num_accepted  # [B] the sequence before the step, fed by the first forward
+    def set_draft_lag(self, fed, host_fed: list[int], replaced: list[bool] | None = None) -> None:
+        """The draft's lag rule, in one place: what the draft cache keeps of each row after a forward that fed
+        it, a prefill's (`fed`: the prompt) or a speculative step's (`fed`: the sequence before the step, which
+        its first draft forward fed). `fed` [B] on the device, `host_fed` its host list; the target cache
+        already holds each row's sequence but its last token.
+
+        - A draft model keeps the sequence but its last `DRAFT_LAG` (2) tokens: one token less than the
+          target. After a step, that is the accepted drafts it fed (all but the k-th, which it proposed but
+          never fed) whatever the row accepted; after a prefill, the prompt but its last token. So every row
+          lags the same, and the next step's first draft forward feeds 2 tokens per row (`rewind_draft`).
+        - A feature draft keeps `fed`: only what it fed with the target's own hidden states (it drafts with its
+          own), lag 1 after a prefill and a + 1 after a step that accepted a drafts; the accepted tokens are
+          re-fed with the target's features next step. So does a row whose drafts came from elsewhere
+          (`replaced`, host list of bools: a lookup's, proposers/combined.py): what the draft fed after
+          `fed` is not what the row accepted."""
         if self.features is not None:
-            self.draft_cache.set_rows(length=before, host_length=list(seq_before))
+            self.draft_cache.set_rows(length=fed, host_length=list(host_fed))
             return
-        host = [s if r else s + a - 1 for s, a, r in zip(seq_before, counts, replaced or [False] * len(counts))]
-        length = self.target_cache.length - 1  # [B]
+        target = self.target_cache
+        length = target.length + 1 - DRAFT_LAG  # [B] the sequence (the target's length + 1) less the lag
+        host = [n + 1 - DRAFT_LAG for n in target.host_length]
         if replaced is not None and any(replaced):
-            length = torch.where(torch.tensor(replaced, device=length.device), before, length)  # [B]
+            length = torch.where(torch.tensor(replaced, device=length.device), fed, length)  # [B]
+            host = [f if r else n for f, n, r in zip(host_fed, host, replaced)]
         self.draft_cache.set_rows(length=length, host_length=host)
 
     def last_positions(self, T: int, layout: str) -> torch.Tensor:
@@ -362,5 +377,5 @@ def required_capacity(requests: list[Request], k_max: int) -> int:
     return max(positions_needed(len(r.prompt_ids), r.params.max_tokens, k_max) for r in requests)
 
 
-__all__ = ["Batch", "DecodeContext", "NonFiniteLogitsError", "LEFT_PADDED", "RAGGED", "finite_rows",
+__all__ = ["Batch", "DecodeContext", "DRAFT_LAG", "NonFiniteLogitsError", "LEFT_PADDED", "RAGGED", "finite_rows",
            "required_capacity", "row_params"]

@@ -11,22 +11,21 @@ What each setting promises (docs/api.md, docs/design.md "Batch-invariant numeric
 - `"auto"`: `True` where it is cheap, else `False`. On CUDA, for a speculative method, a short measurement at
   start-up times a target forward with the mode on and off at the run's batch size and at one and k + 1 new
   tokens per row (k_max + 1 with auto k), AUTO_REPEATS each, interleaved; the mode is on when its worst ratio
-  is at most AUTO_MAX_COST (1.15). The measured times are cached with auto k's costs (the same JSON file:
-  `cost_cache`, default ~/.cache/specdec/costs.json) for checkpoints given as paths. Everywhere else "auto" is
+  is at most AUTO_MAX_COST (1.15). The forwards are timed, and the times cached for checkpoints given as
+  paths, by the start-up measurement (specdec/startup.py: its one warm-up per model and way it runs, its one
+  cache file `cost_cache`, default ~/.cache/specdec/costs.json, and its summary line). Everywhere else "auto" is
   `False`: on the CPU (float models off, quantized ones on, as today), for "ar" (its own reference), with
   `compile=True` (the mode runs the eager forward), for model objects without the mode, and where the
   target is already in the mode (a quantized model).
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 from typing import Callable, NamedTuple
 
 import torch
 
-from specdec import timing
+from specdec.startup import StartupMeasurement, cache_key, model_identity
 
 AUTO = "auto"
 SETTINGS = (True, False, AUTO)
@@ -34,7 +33,6 @@ AUTO_MAX_COST = 1.15  # "auto" turns the mode on when a target forward costs at 
 AUTO_REPEATS = 3  # timed forwards per (mode, shape), after a warm-up; the median counts
 AUTO_ROUNDS = 2  # off/on interleaved this many times; the fastest round of each counts (noise only slows)
 AUTO_CONTEXT = 128  # tokens already in the cache for the measured forwards
-CACHE_VERSION = 1
 
 
 class Choice(NamedTuple):
@@ -44,13 +42,6 @@ class Choice(NamedTuple):
     setting: object  # what was asked: True, False or "auto"
     reason: str
     cost: float | None = None  # worst (time on / time off) over the measured shapes
-
-
-def check_setting(value) -> object:
-    """True, False or "auto"; anything else is a ValueError naming the argument."""
-    if value is True or value is False or value == AUTO:
-        return value
-    raise ValueError(f"batch_invariant must be True, False or {AUTO!r}, got {value!r}")
 
 
 def pays(on_s: float, off_s: float, limit: float = AUTO_MAX_COST) -> bool:
@@ -63,11 +54,11 @@ def worst_cost(times: dict) -> float:
     return max(on / off for on, off in times.values())
 
 
-def measure_cost(model, rows: int, lengths, context: int = AUTO_CONTEXT, repeats: int = AUTO_REPEATS,
-                 rounds: int = AUTO_ROUNDS) -> dict:
+def measure_cost(model, rows: int, lengths, measurement: StartupMeasurement, context: int = AUTO_CONTEXT,
+                 repeats: int = AUTO_REPEATS, rounds: int = AUTO_ROUNDS) -> dict:
     """{T: (seconds with the mode, seconds without)}: one forward of T new tokens per row on `rows` rows on top
-    of `context` cached tokens, the mode off and on interleaved `rounds` times (the fastest of each counts).
-    The model's mode is restored afterwards."""
+    of `context` cached tokens, the mode off and on interleaved `rounds` times (the fastest of each counts),
+    timed by `measurement`. The model's mode is restored afterwards."""
     was = model.batch_invariant
     limit = getattr(getattr(model, "cfg", None), "max_position_embeddings", None)
     if limit:  # a short-context model: the prefix and the new tokens must fit its positions
@@ -78,7 +69,7 @@ def measure_cost(model, rows: int, lengths, context: int = AUTO_CONTEXT, repeats
             for T in lengths:
                 for mode in (False, True):
                     model.batch_invariant = mode
-                    seconds, _ = timing.time_forward(model, rows, T, context, repeats, "all")
+                    seconds, _ = measurement.time_forward(model, rows, T, context, repeats, "all")
                     key = (T, mode)
                     best[key] = min(seconds, best.get(key, float("inf")))
     finally:
@@ -90,61 +81,24 @@ def is_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def device_name(device) -> str:
-    try:
-        return torch.cuda.get_device_name(torch.device(device)) if is_cuda(device) else str(device)
-    except (RuntimeError, AssertionError):  # no driver (tests)
-        return str(device)
-
-
-def cache_key(target_id: str, dtype, device, rows: int, lengths) -> str:
-    name = device_name(device)
-    triton = "none"
+def triton_version() -> str:
+    """Triton's version ("none" without it: the mode's CUDA kernels are Triton's, so their cost is its)."""
     try:
         import importlib.metadata
 
-        triton = importlib.metadata.version("triton")
+        return importlib.metadata.version("triton")
     except Exception:  # noqa: BLE001 (no triton, or no metadata: the key just says so)
-        pass
-    return (f"batch-invariant/v{CACHE_VERSION}/{target_id}/{dtype}/{name}/torch={torch.__version__}/"
-            f"triton={triton}/B={rows}/T={','.join(map(str, lengths))}/ctx={AUTO_CONTEXT}")
-
-
-def load_times(path: str, key: str) -> dict | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            entry = json.load(f).get(key)
-        return {int(T): (float(on), float(off)) for T, (on, off) in entry.items()}
-    except (OSError, ValueError, TypeError, AttributeError, KeyError):
-        return None
-
-
-def save_times(path: str, key: str, times: dict) -> None:
-    """Best effort, merged into the JSON file atomically (auto k's entries in it are kept)."""
-    try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            data = data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            data = {}
-        data[key] = {str(T): [on, off] for T, (on, off) in times.items()}
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+        return "none"
 
 
 def choose(setting, target, draft, device, speculative: bool, batch_size: int, k, k_max: int, compile: bool,
-           target_spec=None, cache_path: str | None = None, measure: Callable | None = None) -> Choice:
-    """Resolve `setting` (True, False, "auto") for a run; see the module docstring. `measure(model, rows,
-    lengths)` -> {T: (on_s, off_s)} (injectable: tests). `cache_path`: the cost cache ("" = none, None = the
-    default file)."""
-    setting = check_setting(setting)
-    if setting is not AUTO:
+           target_spec=None, cache_path: str | None = None, measure: Callable | None = None,
+           measurement: StartupMeasurement | None = None) -> Choice:
+    """Resolve `setting` (True, False, "auto") for a run; see the module docstring. `measurement`: the start-up
+    measurement that times and caches (None: one of this call's own, on the cache file `cache_path`: None =
+    the default file, "" = none). `measure(model, rows, lengths, measurement)` -> {T: (on_s, off_s)}
+    (default `measure_cost`; injectable: tests)."""
+    if setting is not AUTO:  # True or False (the option's rule checked it: specdec/options.py)
         return Choice(setting, setting, "asked")
     models = [m for m in (target, draft) if m is not None]
     if not speculative:
@@ -158,21 +112,20 @@ def choose(setting, target, draft, device, speculative: bool, batch_size: int, k
     if target.batch_invariant:
         return Choice(False, setting, "the target is in the mode already (a quantized model)")
     lengths = sorted({1, (k if isinstance(k, int) else k_max) + 1})
-    from specdec.autok import default_cache_path, model_identity
-
-    path = default_cache_path() if cache_path is None else cache_path
-    target_id = model_identity(target, target_spec) if target_spec is not None else None
-    key = cache_key(target_id, getattr(target, "dtype", None), device, batch_size, lengths) if target_id else None
-    times = load_times(path, key) if path and key else None
-    source = "cached"
-    if times is None or set(times) != set(lengths):
-        times = (measure or measure_cost)(target, batch_size, lengths)
-        source = "measured"
-        if path and key:
-            save_times(path, key, times)
+    shape = f"B={batch_size}, T={'/'.join(map(str, lengths))}"
+    measurement = measurement if measurement is not None else StartupMeasurement(cache_path)
+    target_id = model_identity(target, target_spec)
+    key = cache_key("batch-invariant", [target_id], getattr(target, "dtype", None), device,
+                    f"triton={triton_version()}", f"B={batch_size}", f"T={','.join(map(str, lengths))}",
+                    f"ctx={AUTO_CONTEXT}") if target_id else None
+    times, cached = measurement.measure(
+        key, lambda: (measure or measure_cost)(target, batch_size, lengths, measurement),
+        decode=lambda entry: {int(T): (float(on), float(off)) for T, (on, off) in entry.items()},
+        describe=lambda times: f"batch-invariant cost {worst_cost(times):.2f}x ({shape})",
+        check=lambda times: set(times) == set(lengths))
     cost = worst_cost(times)
     on = cost <= AUTO_MAX_COST
-    reason = (f"{source}: a target forward at B={batch_size}, T={'/'.join(map(str, lengths))} costs {cost:.2f}x "
+    reason = (f"{'cached' if cached else 'measured'}: a target forward at {shape} costs {cost:.2f}x "
               f"with the mode (limit {AUTO_MAX_COST}x)")
     return Choice(on, setting, reason, cost)
 

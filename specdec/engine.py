@@ -20,7 +20,6 @@ publishes). `step()` itself must be called from one thread at a time (a second c
 """
 from __future__ import annotations
 
-import numbers
 import threading
 import time
 from collections import deque
@@ -35,7 +34,7 @@ from .detokenizer import IncrementalDetokenizer
 from .invariants import check_invariants
 from .memory import check_cache_memory
 from .metrics import PhaseTimer, RunMetrics
-from .options import positions_needed
+from .options import Options, positions_needed
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
 from .speculative import decode_step
@@ -66,11 +65,9 @@ class Engine:
     def __init__(self, llm, batch_size: int | None = None, stream_text: bool = True):
         """`stream_text`: detokenize every step's new tokens (streaming, the server); False: only when a
         request finishes, once (`LLM.generate`, which reads only the final text)."""
+        if batch_size is not None:  # this engine's batch size, checked by the option's rule
+            Options.build(llm.options, batch_size=batch_size)
         batch_size = llm.batch_size if batch_size is None else batch_size
-        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        if llm.method == "exspec" and llm.options.window_size < batch_size:
-            raise ValueError(f"batch_size ({batch_size}) must be <= window_size ({llm.options.window_size}) for exspec")
         self.llm = llm
         self.batch_size = int(batch_size)
         self.metrics = RunMetrics(llm.method, self.batch_size)
@@ -78,7 +75,7 @@ class Engine:
         # auto k: this engine's own chooser (the LLM's holds the settings and the calibrated costs it shares)
         self.chooser = llm.chooser.for_engine() if llm.chooser is not None else None
         self.ctx = DecodeContext(llm.target, llm.draft, llm.options, llm.vocab_size, llm.device, self.metrics,
-                                 PhaseTimer(self.metrics, llm.device, llm.options.profile), llm.target_name,
+                                 PhaseTimer(self.metrics, llm.device, llm.options.scheduler.profile), llm.target_name,
                                  self.chooser, self.proposer, llm.prefix_cache)
         self.metrics.drafter = None if self.proposer is None else self.proposer.name
         self.scheduler = SCHEDULERS[llm.method](self.ctx, self.batch_size)
@@ -217,7 +214,7 @@ class Engine:
         self._prepare_chooser()
         self.scheduler.admit()
         batch = self.scheduler.select()
-        if batch is not None and self.ctx.options.check_invariants:
+        if batch is not None and self.ctx.options.scheduler.check_invariants:
             check_invariants(self.ctx, batch)  # every row, before each step it takes part in
         return batch
 

@@ -1,35 +1,37 @@
-"""The one way from command-line flags to an engine: the engine flags every CLI shares
-(`python -m specdec.run`, `--ray` replicas, `python -m specdec.serve`, the benchmarks) and the `LLM`
-keyword arguments they mean. A flag added here reaches every entry point; none can drop one.
+"""The one flag table: the model and engine flags every command line shares (`python -m specdec.run`, `--ray`
+replicas, `python -m specdec.serve`, `python -m specdec.train`, the benchmarks), made from the fields of
+specdec/options.py (each option's flag, rule and help are declared there once) plus --target, --draft and
+--threads. A field added there is a flag everywhere, and reaches every entry point; none can drop one.
 """
 from __future__ import annotations
 
 import argparse
 import os
 
+from .options import AUTO, DTYPES, LOOKUPS, all_fields, check_value, describe, flag_names, option_field
 from .prompts import DEFAULT_DRAFT, DEFAULT_TARGET
 
-# the drafters that need no model (specdec.proposers.LOOKUPS, named here without importing torch: the CLIs
-# parse their flags, and answer Ctrl-C, before the heavy modules load; tests/test_flags.py holds them equal)
-LOOKUPS = ("ngram", "suffix")
-
-METHODS = ("ar", "eqspec", "exspec", "ragged")
-
-
 class Parser(argparse.ArgumentParser):
-    """argparse's parser with a refusal of one line, `PROG: error: MESSAGE (PROG --help lists the flags)`, exit 2:
-    argparse's own prints its usage block first (26 lines for specdec.run), burying the line that matters."""
+    """argparse's parser with a refusal of one line, `NAME: error: MESSAGE (`PROG --help` lists the flags)`, exit 2
+    (argparse's own prints its usage block first, 26 lines for specdec.run, burying the line that matters). NAME
+    is the program's module (`specdec.run`), the prefix of every error the program prints, argparse's or its own."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+        self.exit(2, f"{program_name(self.prog)}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
+def program_name(prog: str) -> str:
+    """`python -m specdec.run` -> `specdec.run`: how a program names itself in its errors."""
+    return prog.removeprefix("python -m ")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """`--help` with '(default: X)' only where there is a plain default: a None or False default is said in the
-    flag's own text (argparse's formatter printed '(default: None)' after 15 of specdec.run's flags)."""
+    """`--help` with '(default: X)' only where there is a plain default the flag's own text does not say: a None
+    or False default is said in the text (argparse's formatter printed '(default: None)' after 15 of specdec.run's
+    flags, some after a sentence giving the default)."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False):
+        if action.default in (None, False) or "default" in (action.help or "").lower():
             return action.help
         return super()._get_help_string(action)
 
@@ -58,16 +60,6 @@ def port_number(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, got {value}")
     return value
-
-
-def k_value(text: str):
-    """-k: "auto" or an int >= 1."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return positive_int(text)
-    except (ValueError, argparse.ArgumentTypeError):
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {text!r}") from None
 
 
 def threads_value(text: str) -> str:
@@ -103,91 +95,86 @@ def batch_invariant_value(text: str):
     raise argparse.ArgumentTypeError(f"must be auto, on or off, got {text!r}")
 
 
-# flag dest -> LLM keyword; every flag `add_engine_arguments` adds is here (tests/test_flags.py checks it)
-ENGINE_KWARGS = {
-    "method": "method", "batch_size": "batch_size", "num_speculative_tokens": "num_speculative_tokens",
-    "max_speculative_tokens": "max_speculative_tokens", "window_size": "window_size", "dtype": "dtype",
-    "device": "device", "check_weights": "check_weights", "check_invariants": "check_invariants",
-    "compile": "compile", "packed_weights": "packed_weights", "batch_invariant": "batch_invariant",
-    "profile": "profile", "lookup": "lookup", "lookup_min_match": "lookup_min_match", "ngram_min": "ngram_min",
-    "ngram_max": "ngram_max", "suffix_store_tokens": "suffix_store_tokens", "quantize": "quantize",
-    "draft_quantize": "draft_quantize", "cuda_graphs": "cuda_graphs", "prefix_cache_gb": "prefix_cache_gb",
-    "prefill_chunk": "prefill_chunk",
-}
+def option_type(f):
+    """The flag's text -> the option's value, refused by the field's own rule (one line: 'must be an integer >=
+    1, got 'two'')."""
+    meta = f.metadata
 
-QUANTIZE = ("int8", "int4")  # specdec.models.quant.FORMATS (tests/test_flags.py holds them equal)
+    def convert(text: str):
+        if meta["auto"] and text.strip().lower() == AUTO:
+            return AUTO
+        try:
+            value = int(text) if meta["kind"] == "int" else float(text)
+        except ValueError:
+            value = None
+        try:
+            if value is None:
+                raise ValueError
+            check_value(f, value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {describe(meta)}, got {text!r}") from None
+        return value
+
+    convert.__name__ = f.name  # argparse names the type in some messages
+    return convert
 
 
-def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str = "rows decoded together") -> None:
-    """The model and engine flags (--target, --draft, --method, -k, ...), shared by every CLI."""
-    p.add_argument("--target", help="target checkpoint: a directory in HF format (config.json, model.safetensors, "
-                   "tokenizer) or a .gguf file; default: the embedded default target")
-    p.add_argument("--draft", help="draft checkpoint (directory or .gguf) sharing the target's tokenizer, a "
-                   "feature-draft directory, or a drafter that needs no model: 'ngram' (prompt lookup in the row's own "
-                   "text) or 'suffix' (suffix decoding over the row's text and recent outputs); default: the embedded "
-                   "default draft, or with --target the draft specdec ships for that target (recognised by its "
-                   "weights; SmolLM2-135M-Instruct), else 'suffix'")
-    p.add_argument("--lookup", choices=LOOKUPS, help="beside a draft model: a row takes this lookup's drafts where "
-                   "it has at least --lookup-min-match of them, else the model's")
-    p.add_argument("--lookup-min-match", type=positive_int, default=2, help="with --lookup: the fewest looked-up "
-                   "drafts (or k, if smaller) that replace the model's in a row")
-    p.add_argument("--ngram-min", type=positive_int, default=1, help="ngram: the shortest suffix of a row that is "
-                   "matched in its prompt + output")
-    p.add_argument("--ngram-max", type=positive_int, default=4, help="ngram: the longest suffix matched (longer "
-                   "matches are tried first)")
-    p.add_argument("--suffix-store-tokens", type=non_negative_int, default=16384, help="suffix: tokens of recent "
-                   "requests' outputs kept for drafting across requests (0: each request drafts from its own text "
-                   "only; docs/api.md says what is kept)")
-    p.add_argument("--method", choices=METHODS, default="eqspec", help="decoding strategy: ar = target only; "
-                   "eqspec = left-padded, realign every step; exspec = same-length groups from a pool; "
-                   "ragged = per-row offsets, never realign")
-    p.add_argument("--batch-size", type=positive_int, default=8, help=batch_help)
-    p.add_argument("-k", "--num-speculative-tokens", type=k_value, default="auto", help="draft tokens per step: "
-                   "'auto' chooses k every step, from 0 (a step of the target alone) to --max-speculative-tokens, "
-                   "from costs measured on this machine (cached under ~/.cache/specdec) and each request's "
-                   "acceptance; or a fixed integer >= 1 (no draft at all: --method ar)")
-    p.add_argument("--max-speculative-tokens", type=positive_int, default=8, help="the largest k that -k auto may "
-                   "choose")
-    p.add_argument("--window-size", type=positive_int, default=48, help="exspec: pool of live sequences")
-    p.add_argument("--dtype", choices=("float64", "float32", "bfloat16", "float16"), default=None,
-                   help="weights and activations (default float32; a quantized GGUF then keeps its blocks as "
-                   "stored, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, and --dtype asks for float weights)")
-    p.add_argument("--quantize", choices=QUANTIZE, help="keep a float checkpoint's linear weights quantized: int4 "
-                   "as Q4_1 blocks, int8 as Q8_0 (on the CPU; int4 in groups of 32 / int8 per channel on a GPU); "
-                   "the embedding and head int8; --dtype is then the activations' (docs/api.md, 'Quantized "
-                   "weights')")
-    p.add_argument("--draft-quantize", choices=QUANTIZE, help="the same for the draft model (its own setting)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when a GPU is present, else the CPU), cpu, cuda "
-                   "or cuda:N")
-    p.add_argument("--check-weights", action="store_true", help="scan every loaded weight for NaN/inf (after "
-                   "conversion to --dtype) and stop naming the file and key; the summary says how long it took")
-    p.add_argument("--check-invariants", action="store_true", help="check cache/position/mask invariants after "
-                   "every step (slow; raises naming the invariant, row and column)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the target and draft forwards (CUDA: with "
-                   "CUDA graphs); the first steps of each shape compile (tens of seconds on a CPU, see docs/api.md)")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA: run decode and verify steps as CUDA graph replays, captured per rows bucket (1, 2, 4, "
-                        "8, 16, 32) and step length on first use (docs/design.md, the forward). Default: on on CUDA; "
-                        "refused elsewhere")
-    p.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="CPU float32: run steps of 1 to 64 token rows through oneDNN on linear weights packed "
-                        "once (one extra copy of them; 1.2-1.5x faster multi-token forwards of the default pair, "
-                        "docs/benchmarks/packed-weights.md). Default: on for float32 CPU models whose linear weights take at most "
-                        "1 GiB")
-    p.add_argument("--batch-invariant", nargs="?", type=batch_invariant_value, const=True, default="auto",
-                   metavar="{auto,on,off}", help="batch-invariant numerics: a token's logits are the same bits "
-                   "whatever else shares the forward, so greedy speculative output equals AR bit for bit in "
-                   "bfloat16 and float32 too (slower; docs/design.md). Bare flag: on. Default auto: on for the "
-                   "speculative methods on CUDA where a start-up measurement finds it costs at most 1.15x, else off")
-    # checked by LLM (one line naming the flag), not by argparse (its usage text and error span several lines)
-    p.add_argument("--prefix-cache-gb", type=float, metavar="GIB", help="keep the K/V of prompts and outputs "
-                   "seen before, in at most this many GiB (least recently used dropped first): a prompt that begins "
-                   "with one (the next turn of a chat) prefills only the rest (default: off; docs/serve.md)")
-    p.add_argument("--prefill-chunk", type=int, metavar="TOKENS", help="prefill a prompt of more (uncached) "
-                   "tokens than this in chunks of this many, one per engine step, while the running requests keep "
-                   "decoding (default: at once)")
-    p.add_argument("--profile", action="store_true", help="time every phase of every step (draft, verify, accept, "
-                   "realign...) for the realign share and the JSON metrics; synchronises the device at each phase")
+def option_argument(f, help: str | None = None) -> tuple[tuple[str, ...], dict]:
+    """The `add_argument` call of option field `f`: (option strings, keyword arguments)."""
+    meta, kind = f.metadata, f.metadata["kind"]
+    kw = dict(dest=f.name, default=f.default, help=help or meta["help"])
+    if meta["metavar"]:
+        kw["metavar"] = meta["metavar"]
+    if kind == "bool":
+        kw["action"] = "store_true"
+    elif kind == "tristate":
+        kw["action"] = argparse.BooleanOptionalAction
+    elif kind == "batch_invariant":
+        kw.update(nargs="?", type=batch_invariant_value, const=True)
+    elif kind in ("int", "float"):
+        kw["type"] = option_type(f)
+    elif kind == "choice":
+        kw["choices"] = meta["choices"]
+    elif kind == "dtype":
+        kw["choices"] = DTYPES
+    return flag_names(f), kw
+
+# the flags that are not options: what the models are (--target, --draft) and the process's threads
+TARGET_HELP = ("target checkpoint: a directory in HF format (config.json, model.safetensors, tokenizer) or a .gguf "
+               "file; default: the embedded default target")
+DRAFT_HELP = ("draft checkpoint (directory or .gguf) sharing the target's tokenizer, a feature-draft directory, or a "
+              "drafter that needs no model: 'ngram' (prompt lookup in the row's own text) or 'suffix' (suffix decoding "
+              "over the row's text and recent outputs); default: the embedded default draft, or with --target the "
+              "draft specdec ships for that target (recognised by its weights; SmolLM2-135M-Instruct), else 'suffix'")
+
+
+def k_value(text: str):
+    """-k's text -> "auto" or an int >= 1 (the option's own rule), for benchmarks with a -k of their own."""
+    return option_type(option_field("num_speculative_tokens"))(text)
+
+
+def add_flag(p, name: str, help: str | None = None, **overrides) -> None:
+    """One flag of the table by its dest (--target, --draft, --threads or an option's field name) on parser or
+    group `p`; `help` replaces its text (a command's own wording of the same flag), `overrides` its keywords."""
+    if name == "threads":
+        add_threads_argument(p)
+        return
+    if name in ("target", "draft"):
+        names, kw = (f"--{name}",), dict(help=TARGET_HELP if name == "target" else DRAFT_HELP)
+        if help:
+            kw["help"] = help
+    else:
+        names, kw = option_argument(option_field(name), help)
+    kw.update(overrides)
+    p.add_argument(*names, **kw)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str | None = None) -> None:
+    """The model and engine flags (--target, --draft, --method, -k, ...), shared by every CLI: every option."""
+    add_flag(p, "target")
+    add_flag(p, "draft")
+    for f in all_fields():
+        add_flag(p, f.name, batch_help if f.name == "batch_size" else None)
 
 
 def checkpoint_pair(args) -> tuple[str, str | None, bool]:
@@ -216,11 +203,11 @@ def checkpoint_pair(args) -> tuple[str, str | None, bool]:
 
 
 def engine_kwargs(args, **overrides) -> dict:
-    """The `LLM` keyword arguments the engine flags of `args` mean (target and draft included);
+    """The `LLM` keyword arguments the engine flags of `args` mean (target, draft and every option);
     `overrides` replace some (e.g. the device a Ray replica was placed on)."""
     target, draft, _ = checkpoint_pair(args)
     kwargs = {"target": target, "draft": draft}
-    kwargs.update({kw: getattr(args, dest) for dest, kw in ENGINE_KWARGS.items()})
+    kwargs.update({f.name: getattr(args, f.name) for f in all_fields()})
     kwargs.update(overrides)
     return kwargs
 

@@ -1,5 +1,5 @@
-"""Invariant checks after every step (debug mode: `LLM(check_invariants=True)` or
-SPECDEC_CHECK_INVARIANTS=1). Each failure names the invariant, the row and the column.
+"""Invariant checks after every step (debug mode: `LLM(check_invariants=True)`, `--check-invariants`; on for
+every LLM of the test suite). Each failure names the invariant, the row and the column.
 
 - lengths: the target caches all tokens but the last, the draft a shorter prefix (see batch.py), and
   the host mirrors of start/length equal the device values;
@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 
 from specdec.models.cache import LEFT_PADDED, RAGGED
+
+from .batch import DRAFT_LAG
 
 
 class InvariantError(AssertionError):
@@ -97,7 +99,7 @@ def check_invariants(ctx, batch) -> None:
                 zero = batch.features.new_zeros(1, 1, batch.features.shape[2])  # [1, 1, E]: before position 0
                 return torch.cat([zero, batch.features[i: i + 1, : n - 1]], dim=1)  # [1, n, E]
         # lag 1: a feature draft, or a row that took a lookup's drafts (proposers/combined.py)
-        lag = 1 if batch.features is not None or getattr(ctx.proposer, "lookup", None) is not None else 2
+        lag = 1 if batch.features is not None or getattr(ctx.proposer, "lookup", None) is not None else DRAFT_LAG
         check_cache("draft", ctx.draft, batch.draft_cache, sequences, lag=lag,
                     exact=False, features=features)
         if batch.target_cache.layout == LEFT_PADDED and not torch.equal(batch.target_cache.start, batch.draft_cache.start):

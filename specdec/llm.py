@@ -11,7 +11,6 @@ import torch
 from specdec.models import CheckpointError, is_gguf, load_model, load_tokenizer
 from specdec.models.feature_draft import is_feature_draft, load_feature_draft
 from specdec.models.numerics import packing_pays, set_batch_invariant
-from specdec.models.quant import check_format
 
 from . import bi_mode
 from .autok import make_chooser
@@ -19,12 +18,13 @@ from .devices import engine_device
 from .drafts import shipped_draft
 from .engine import Engine
 from .metrics import RunMetrics
-from .options import AUTO, EngineOptions, positions_needed
+from .options import LOOKUPS, Options, positions_needed
 from .memory import HEADROOM, available_bytes
 from .prefix_cache import GIB, PrefixCache, budget_bytes
 from .prompts import DEFAULT_DRAFT, DEFAULT_TARGET
-from .proposers import LOOKUPS, CombinedProposer, ModelProposer, NgramProposer, SuffixProposer, SuffixStore
+from .proposers import CombinedProposer, ModelProposer, NgramProposer, SuffixProposer, SuffixStore
 from .sampling import SamplingParams
+from .startup import StartupMeasurement
 from .schedulers import SCHEDULERS, SPECULATIVE
 
 METHODS = tuple(SCHEDULERS)
@@ -66,84 +66,37 @@ class LLM:
     objects meeting the protocol of docs/api.md; `LLM()` without a target runs the embedded default pair (the
     toy 15.7M/3.6M pair `python -m specdec.run` runs without flags); `draft` may also name a drafter that needs
     no model: "ngram" (prompt lookup) or "suffix" (suffix decoding). Without a draft, a speculative method uses
-    the draft specdec ships for the target, or else "suffix". method: "ar", "eqspec", "ragged" or "exspec".
-    lookup: "ngram" or "suffix" beside a draft model: a row takes the lookup's drafts where it has at least
-    `lookup_min_match` of them. ngram_min/ngram_max: the n-gram sizes prompt lookup matches;
-    suffix_store_tokens: the cross-request suffix store's size (0: each request drafts from its own text).
-    proposer: bring your own drafter: a callable returning a new proposer (the protocol of
-    specdec/proposers, docs/api.md) for each Engine; it drafts without a model (`draft` must be None).
-    num_speculative_tokens: k, or "auto" (default): chosen every step, 0..max_speculative_tokens, from
-    measured costs and each request's acceptance (docs/design.md).
-    prefix_cache_gb: keep the K/V of prompts and outputs seen before, up to this many GiB (least recently used
-    dropped first), so that a prompt that begins with one prefills only the rest (specdec/prefix_cache.py);
-    None: no prefix cache. prefill_chunk: prefill a prompt of more (uncached) tokens than this in chunks of
-    this many, one per engine step, while the running rows decode; None: at once.
-    check_invariants: verify invariants I2-I6 after every step (default: $SPECDEC_CHECK_INVARIANTS).
-    compile: torch.compile the forwards (docs/api.md says what it costs). profile: time the phases of
-    every step (synchronises; off by default). The other options: docs/api.md.
+    the draft specdec ships for the target, or else "suffix".
+    options: an `Options` (specdec/options.py), and/or its fields by keyword (`method="ragged", batch_size=4`,
+    replacing those of `options`): how the models are loaded (dtype, device, quantize, batch_invariant, ...),
+    how speculation runs (method, num_speculative_tokens, lookup, ...), the cache and scheduler (batch_size,
+    prefix_cache_gb, prefill_chunk, ...); each field's help says what it does, and docs/api.md lists them.
+    tokenizer: a tokenizer object instead of the target's. proposer: bring your own drafter: a callable
+    returning a new proposer (the protocol of specdec/proposers, docs/api.md) for each Engine; it drafts
+    without a model (`draft` must be None).
     """
 
-    def __init__(self, target=None, draft=None, method: str = "eqspec", num_speculative_tokens: int | str = "auto",
-                 batch_size: int = 8, dtype=None, device="auto", check_invariants: bool | None = None,
-                 kernel_backend: str | None = None, window_size: int = 48, max_wait_steps: int = 8,
-                 tokenizer=None, check_weights: bool = False, max_speculative_tokens: int = 8,
-                 realign_cost_ratio: float = 0.175, fold_shift: bool = False, compile: bool | None = None,
-                 profile: bool = False, cost_cache: str | None = None, batch_invariant: bool | str = "auto",
-                 packed_weights: bool | None = None, lookup: str | None = None, lookup_min_match: int = 2,
-                 ngram_min: int = 1, ngram_max: int = 4, suffix_store_tokens: int = 16384, proposer=None,
-                 quantize: str | None = None, draft_quantize: str | None = None, cuda_graphs: bool | None = None,
-                 prefix_cache_gb: float | None = None, prefill_chunk: int | None = None):
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        speculative = method in SPECULATIVE
-        k = num_speculative_tokens
-        if speculative and k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"num_speculative_tokens must be 'auto' or an int >= 1 for method {method!r}, got {k!r}")
-        bi_mode.check_setting(batch_invariant)
-        if method == "exspec" and window_size < batch_size:
-            raise ValueError(f"window_size ({window_size}) must be >= batch_size ({batch_size})")
-        if check_invariants is None:
-            check_invariants = os.environ.get("SPECDEC_CHECK_INVARIANTS", "0") not in ("", "0")
-        if compile is None:  # $SPECDEC_COMPILE=1 runs a whole test suite compiled (docs/api.md)
-            compile = os.environ.get("SPECDEC_COMPILE", "0") not in ("", "0")
-        self.options = EngineOptions(
-            num_speculative_tokens=k if speculative else 0, max_speculative_tokens=max_speculative_tokens,
-            window_size=window_size, max_wait_steps=max_wait_steps, realign_cost_ratio=realign_cost_ratio,
-            fold_shift=fold_shift, kernel_backend=kernel_backend, compile=compile, profile=profile,
-            check_invariants=check_invariants, cost_cache=cost_cache, prefill_chunk=prefill_chunk)
-        prefix_budget = None if prefix_cache_gb is None else budget_bytes(prefix_cache_gb)
-        self.method = method
-        self.k = self.options.num_speculative_tokens  # an int, or "auto"
-        self.batch_size = batch_size
-        self.device = engine_device(device, target)  # "auto": CUDA when available (or the model object's), else CPU
-        self.check_weights = check_weights  # scan loaded weights for NaN/inf (load_model(check_weights=...))
-        free = None if prefix_budget is None else available_bytes(self.device)
-        if free is not None and prefix_budget > HEADROOM * free:
-            raise ValueError(f"prefix_cache_gb (--prefix-cache-gb) {prefix_cache_gb:g} GiB is more than the "
+    def __init__(self, target=None, draft=None, options: Options | None = None, *, tokenizer=None, proposer=None,
+                 **kwargs):
+        if options is not None and not isinstance(options, Options):
+            raise TypeError(f"LLM's third argument is an Options, got {options!r}: give the others by keyword, e.g. "
+                            f"LLM(target, draft, method='eqspec', num_speculative_tokens=4)")
+        self.options = Options.build(options, **kwargs)  # every option checked here, once
+        load, spec, sched = self.options.load, self.options.speculation, self.options.scheduler
+        speculative = spec.speculative
+        self.device = engine_device(load.device, target)  # "auto": CUDA when available (or the model object's), else CPU
+        free = None if sched.prefix_cache_gb is None else available_bytes(self.device)
+        if free is not None and budget_bytes(sched.prefix_cache_gb) > HEADROOM * free:
+            raise ValueError(f"prefix_cache_gb (--prefix-cache-gb) {sched.prefix_cache_gb:g} GiB is more than the "
                              f"{HEADROOM * free / GIB:.1f} GiB that can be used on {self.device}")
         # the K/V of prefixes seen before, shared by every Engine (and server request) of this LLM
-        self.prefix_cache = None if prefix_budget is None else PrefixCache(prefix_budget)
-
-        if lookup is not None and lookup not in LOOKUPS:
-            raise ValueError(f"lookup must be one of {LOOKUPS} or None, got {lookup!r}")
-        if isinstance(lookup_min_match, bool) or not isinstance(lookup_min_match, int) or lookup_min_match < 1:
-            raise ValueError(f"lookup_min_match must be an int >= 1, got {lookup_min_match!r}")
-        for name, value in (("ngram_min", ngram_min), ("ngram_max", ngram_max)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if ngram_min > ngram_max:
-            raise ValueError(f"ngram_min ({ngram_min}) must be <= ngram_max ({ngram_max})")
-        if isinstance(suffix_store_tokens, bool) or not isinstance(suffix_store_tokens, int) or suffix_store_tokens < 0:
-            raise ValueError(f"suffix_store_tokens must be an int >= 0, got {suffix_store_tokens!r}")
-        self.quantize = {"target": check_format(quantize), "draft": check_format(draft_quantize)}
+        self.prefix_cache = None if sched.prefix_cache_gb is None else PrefixCache(budget_bytes(sched.prefix_cache_gb))
         if target is None:  # the embedded default pair, as the command line runs it without --target
             if draft is not None:
                 raise ValueError("draft= needs target= (or give neither: the embedded default pair)")
             target = DEFAULT_TARGET
             draft = DEFAULT_DRAFT if speculative and proposer is None else None
-        self.target = self._model(target, dtype, self.quantize["target"])
+        self.target = self._model(target, load.quantize)
         if speculative and draft is None and proposer is None:
             draft = shipped_draft(self.target)
             if draft is None:
@@ -163,19 +116,19 @@ class LLM:
             self.drafter = "custom"
         if speculative and isinstance(draft, str) and draft in LOOKUPS:
             self.drafter, draft = draft, None
-        if lookup is not None and (not speculative or draft is None):
+        if spec.lookup is not None and (not speculative or draft is None):
             raise ValueError("lookup= goes beside a draft model (draft=DIR); to draft from lookups alone pass "
-                             f"draft={lookup!r}")
-        self.lookup, self.lookup_min_match = lookup, lookup_min_match
-        self.ngram_sizes = (ngram_min, ngram_max)
+                             f"draft={spec.lookup!r}")
         # the cross-request part of "suffix", shared by every Engine (and server request) of this LLM
-        self.suffix_store = SuffixStore(suffix_store_tokens) if suffix_store_tokens else None
+        self.suffix_store = SuffixStore(spec.suffix_store_tokens) if spec.suffix_store_tokens else None
         self.specs = (target, draft)  # what the models were loaded from (auto k caches costs per checkpoint)
-        self.draft = self._model(draft, dtype, self.quantize["draft"]) if speculative and draft is not None else None
+        self.draft = self._model(draft, load.draft_quantize) if speculative and draft is not None else None
+        # the start-up measurement (threads, batch-invariant cost, auto k's costs): one warm-up, one cache file
+        self.startup = StartupMeasurement(load.cost_cache)
         # True / False / "auto" (specdec/bi_mode.py: on for speculative methods on CUDA where it costs <= 1.15x)
         self.batch_invariant_choice = bi_mode.choose(
-            batch_invariant, self.target, self.draft, self.device, speculative, batch_size, self.k,
-            self.options.max_speculative_tokens, compile, target, cost_cache)
+            load.batch_invariant, self.target, self.draft, self.device, speculative, sched.batch_size, spec.k,
+            spec.max_speculative_tokens, load.compile, target, measurement=self.startup)
         bi_mode.announce(self.batch_invariant_choice)
         if self.batch_invariant_choice.on:  # models/numerics.py; off leaves model objects as they are
             for model in (self.target, self.draft):
@@ -183,9 +136,9 @@ class LLM:
                     set_batch_invariant(model, True)
         elif getattr(self.draft, "quantize", None):  # only the target's numbers must be invariant
             self.draft.batch_invariant = False
-        for spec, model in zip(self.specs, (self.target, self.draft)):
-            if isinstance(spec, (str, os.PathLike)) or packed_weights is not None:  # None: a model object stays as it is
-                self._set_packed_weights(model, packed_weights)
+        for source, model in zip(self.specs, (self.target, self.draft)):
+            if isinstance(source, (str, os.PathLike)) or load.packed_weights is not None:  # None: an object stays
+                self._set_packed_weights(model, load.packed_weights)
         self.tokenizer = tokenizer
         if tokenizer is None and isinstance(target, (str, os.PathLike)) and _has_tokenizer(target):
             self.tokenizer = load_tokenizer(target)
@@ -196,10 +149,18 @@ class LLM:
         self.eos_token_ids = frozenset(eos)
         self.max_context = min(self._max_positions(m) for m in (self.target, self.draft) if m is not None)
         self.target_name = f"target {target}" if isinstance(target, (str, os.PathLike)) else "the target model"
-        if compile:
+        if load.compile:
             self._compile()
-        self._use_graphs(cuda_graphs, compile)
-        self.chooser = make_chooser(self) if self.options.auto_k else None
+        self._use_graphs(load.cuda_graphs, load.compile)
+        self.chooser = make_chooser(self) if spec.auto_k else None
+
+    @property
+    def method(self) -> str:
+        return self.options.speculation.method
+
+    @property
+    def batch_size(self) -> int:
+        return self.options.scheduler.batch_size
 
     def _compile(self) -> None:
         """torch.compile the forwards of our own models (inductor's kernels; CUDA graphs are models/graphs.py's)."""
@@ -213,8 +174,6 @@ class LLM:
     def _use_graphs(self, cuda_graphs: bool | None, compile: bool) -> None:
         """`cuda_graphs`: None (default) runs the steps of our own models as CUDA graph replays on CUDA (not
         with `compile`: one or the other); True asks for it (refused off CUDA)."""
-        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device; this LLM runs on {self.device}")
         if cuda_graphs and compile:
@@ -244,12 +203,12 @@ class LLM:
         if packed or model.packed_linear:
             model.packed_linear = bool(packed)
 
-    def _model(self, spec, dtype, quantize=None):
+    def _model(self, spec, quantize=None):
         if isinstance(spec, (str, os.PathLike)) and is_feature_draft(spec):  # it borrows the target's tensors
             return load_feature_draft(spec, self.target)
         if isinstance(spec, (str, os.PathLike)):
-            return load_model(spec, dtype=dtype, device=self.device, check_weights=self.check_weights,
-                              quantize=quantize)
+            return load_model(spec, dtype=self.options.load.dtype, device=self.device,
+                              check_weights=self.options.load.check_weights, quantize=quantize)
         if quantize is not None and getattr(spec, "quantize", None) != quantize:
             raise ValueError(f"quantize={quantize!r} applies to checkpoints the LLM loads; this model object is "
                              f"{getattr(spec, 'quantize', None) or 'not quantized'} (load it with "
@@ -299,11 +258,11 @@ class LLM:
             raise ValueError(f"{name} is empty (no tokens)")
         if max(ids) >= self.vocab_size or min(ids) < 0:
             raise ValueError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size})")
-        need = positions_needed(len(ids), params.max_tokens, self.options.k_max)
+        need = positions_needed(len(ids), params.max_tokens, self.options.speculation.k_max)
         if need > self.max_context:
             raise ValueError(
                 f"{name} has {len(ids)} token{'' if len(ids) == 1 else 's'}; with max_tokens={params.max_tokens} and "
-                f"k={self.options.k_max} "
+                f"k={self.options.speculation.k_max} "
                 f"it needs {need} positions but the model context is {self.max_context}")
 
     def prompt_ids(self, prompt, name: str = "prompt") -> list[int]:
@@ -331,7 +290,7 @@ class LLM:
 
     def _lookup_proposer(self, kind: str):
         if kind == "ngram":
-            return NgramProposer(*self.ngram_sizes)
+            return NgramProposer(self.options.speculation.ngram_min, self.options.speculation.ngram_max)
         return SuffixProposer(self.suffix_store)
 
     def new_proposer(self):
@@ -350,9 +309,10 @@ class LLM:
         if self.drafter is not None:
             return self._lookup_proposer(self.drafter)
         model = ModelProposer("feature" if getattr(self.draft, "reads_target_hidden", False) else "model")
-        if self.lookup is None:
+        spec = self.options.speculation
+        if spec.lookup is None:
             return model
-        return CombinedProposer(model, self._lookup_proposer(self.lookup), self.lookup_min_match)
+        return CombinedProposer(model, self._lookup_proposer(spec.lookup), spec.lookup_min_match)
 
     def engine(self, batch_size: int | None = None, stream_text: bool = True) -> "Engine":
         """An incremental `Engine` on this LLM's models (each engine has its own rows, caches and auto-k state;

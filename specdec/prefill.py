@@ -1,24 +1,29 @@
-"""Prefill with a prefix cache, and in chunks (docs/design.md, "Admitting a request").
+"""The prefill, one for every method (ar, eqspec, ragged, exspec), with or without the prefix cache, whole or
+in chunks (docs/design.md, "Admitting a request"): newcomers' prompts through the target (and the draft), and
+each request's first token from the target. Like a decoding step (specdec/speculative.py) it ends with one
+read of the device and returns what each row emitted (a `StepOutput`), uncommitted.
 
-`PromptRows` holds the rows of distinct prompts being prefilled: a ragged target cache (and the draft's, and
-the target's hidden states for a feature draft), each row's prompt and how much of it each model holds.
-It begins with each prompt's cached prefix (`PrefixCache.fetch`: one slice copy per tree node and cache,
-never the whole prompt), and `feed` runs the rest through the target and the draft, all of it at once or
-at most `limit` tokens per row; the forward already takes a cache that holds a prefix (positions and
-columns come from each row's start and length). `finish` stores the prompts in the prefix cache, copies
-each prompt's row into the rows of the requests that asked for it (the n choices of one prompt share one
-prefill) and emits every request's first token.
+`PromptRows` holds the rows of the prompts being prefilled: the target's cache (and the draft's, and the
+target's hidden states for a feature draft), each row's prompt and how much of it each model holds. It begins
+with each prompt's cached prefix (`PrefixCache.fetch`: one slice copy per tree node and cache, never the
+whole prompt), and `feed` runs the rest through the target and the draft, all of it at once or at most
+`limit` tokens per row; the forward already takes a cache that holds a prefix (positions and columns come
+from each row's start and length). `finish` sets the draft's lag (`Batch.set_draft_lag`), stores the prompts
+in the prefix cache, copies each prompt's row into the rows of the requests that asked for it (the n choices
+of one prompt share one prefill, with a prefix cache or in chunks) and emits every request's first token.
 
-- `cached_prefill`: `speculative.prefill` with a prefix cache: every newcomer's prompt in one forward.
+- `prefill`: the newcomers' prompts fed at once, one forward per model. With a prefix cache the rows are
+  ragged (a row that holds a cached prefix is fed the rest) and `finish` moves them to the batch's layout;
+  without one, each request has its own row, written in the batch's layout (left-padded: every row ends at
+  the longest prompt's column).
 - `ChunkedPrefill`: one prompt longer than the chunk (`LLM(prefill_chunk=...)`, `--prefill-chunk`), fed a chunk
   per engine step while the running rows keep decoding; its requests join the batch after the last chunk,
   which emits their first tokens.
 
 The draft: with a fixed k (or while auto k drafts) the draft is fed along with the target, chunk by chunk
-(a feature draft after the target, from the hidden states the target just produced); a non-feature draft
-then gives back its last prompt token (lag 2, batch.py). With auto k not drafting, the draft gets only the
-prefix the cache holds for it, and catches up later like any lagging draft. What the cache holds for the
-draft is only what the draft computed.
+(a feature draft after the target, from the hidden states the target just produced), then keeps what the lag
+rule says. With auto k not drafting, the draft gets only the prefix the cache holds for it, and catches up
+later like any lagging draft. What the cache holds for the draft is only what the draft computed.
 """
 from __future__ import annotations
 
@@ -32,14 +37,15 @@ from .sampling import choose_tokens
 
 
 class PromptRows:
-    """Rows of distinct prompts in a ragged cache of `capacity` columns (at least what the feeding needs),
-    each beginning with its cached prefix."""
+    """Rows of prompts in caches of `capacity` columns (at least what the feeding needs) in `layout`, each
+    beginning with its cached prefix. Left-padded only for rows fed whole with nothing cached (a left-padded
+    row that holds tokens cannot be fed fewer than the others)."""
 
-    def __init__(self, ctx: DecodeContext, prompts: list[list[int]], capacity: int, run_draft: bool):
+    def __init__(self, ctx: DecodeContext, prompts: list[list[int]], capacity: int, layout: str = RAGGED):
         self.ctx = ctx
         self.prompts = prompts
         self.lengths = [len(p) for p in prompts]
-        self.run_draft = run_draft and ctx.draft is not None
+        self.run_draft = ctx.draft is not None and ctx.prefill_draft
         store, device = ctx.prefix_cache, ctx.device
         U = len(prompts)
         # columns: a row's prefix plus the longest feed of any row (ragged padding is written past a row's end)
@@ -52,8 +58,11 @@ class PromptRows:
         tokens = torch.zeros(U, C, dtype=torch.int64)  # [U, C]
         for u, p in enumerate(prompts):
             tokens[u, :len(p)] = torch.tensor(p)
-        target = ctx.new_cache(ctx.target, U, C, RAGGED)
-        draft = ctx.new_cache(ctx.draft, U, C, RAGGED) if ctx.draft is not None else None
+        target = ctx.new_cache(ctx.target, U, C, layout)
+        draft = ctx.new_cache(ctx.draft, U, C, layout) if ctx.draft is not None else None
+        for cache in (target, draft):  # empty rows (left-padded: ending at the longest prompt's column)
+            if cache is not None:
+                cache.set_prefill(self.lengths, max(self.lengths))
         features = None
         if ctx.feature_draft:
             features = torch.zeros(U, C, ctx.target.cfg.hidden_size, dtype=ctx.target.dtype, device=device)  # [U, C, E]
@@ -65,52 +74,50 @@ class PromptRows:
                 self.done[u], self.draft_done[u] = store.fetch(p, target, u, draft, features)
             ctx.metrics.prefix_hit_tokens += sum(self.done)
             ctx.metrics.prefix_queried_tokens += sum(self.lengths)
-        self._set_lengths()
-
-    def _set_lengths(self) -> None:
-        device = self.ctx.device
-        self.rows.target_cache.set_rows(length=torch.tensor(self.done, dtype=torch.int64, device=device),
-                                        host_length=list(self.done))
-        if self.rows.draft_cache is not None:
-            self.rows.draft_cache.set_rows(length=torch.tensor(self.draft_done, dtype=torch.int64, device=device),
-                                           host_length=list(self.draft_done))
+            for cache, held in ((target, self.done), (draft, self.draft_done)):
+                if cache is not None:
+                    cache.set_rows(length=torch.tensor(held, dtype=torch.int64, device=device), host_length=list(held))
 
     @property
     def remaining(self) -> int:
         """Prompt tokens the target has yet to be fed (the most of any row)."""
         return max(n - d for n, d in zip(self.lengths, self.done))
 
-    def _ids(self, starts: list[int], ends: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """Each row's prompt tokens starts[u]..ends[u], right-padded: [U, T] on the device, and the counts."""
+    def _ids(self, starts: list[int], ends: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Each row's prompt tokens starts[u]..ends[u], padded on the layout's side: [U, T] on the device, the
+        counts, and each row's padding before its tokens (left-padded rows only)."""
         new = [e - s for s, e in zip(starts, ends)]
-        ids = torch.zeros(len(new), max(new), dtype=torch.int64)  # [U, T]
-        for u, (p, s, e) in enumerate(zip(self.prompts, starts, ends)):
-            ids[u, :e - s] = torch.tensor(p[s:e])
-        return ids.to(self.ctx.device), new
+        T = max(new)
+        pads = [T - n if self.rows.target_cache.left_padded else 0 for n in new]
+        ids = torch.zeros(len(new), T, dtype=torch.int64)  # [U, T], 0 = padding (never attended)
+        for u, (p, s, e, pad) in enumerate(zip(self.prompts, starts, ends, pads)):
+            ids[u, pad:pad + e - s] = torch.tensor(p[s:e])
+        return ids.to(self.ctx.device), new, pads
 
     def feed(self, limit: int | None = None) -> torch.Tensor:
         """Feed every row's next tokens (all the rest, or at most `limit`) through the target, and the draft
         (when it runs) up to the same token. Returns the target's logits at each row's last fed token [U, V]."""
         ctx, rows = self.ctx, self.rows
         ends = [n if limit is None else min(n, d + limit) for n, d in zip(self.lengths, self.done)]
-        ids, new = self._ids(self.done, ends)
+        ids, new, pads = self._ids(self.done, ends)  # [U, T]
         if min(new) < 1:
             raise AssertionError(f"prefill: a row has nothing to feed ({new})")
         if rows.features is not None:  # the target's hidden state at every fed position, kept per position
             logits, hidden = ctx.target.forward(ids, rows.target_cache, num_new=new, logits="last", hidden="all")
-            for u, (d, n) in enumerate(zip(self.done, new)):
-                rows.features[u, d:d + n] = hidden[u, :n]
+            for u, (d, n, pad) in enumerate(zip(self.done, new, pads)):
+                rows.features[u, d:d + n] = hidden[u, pad:pad + n]  # [n, E]
         else:
             logits = ctx.target.forward(ids, rows.target_cache, num_new=new, logits="last")
         ctx.metrics.target_forwards += 1
         self.done = ends
         if self.run_draft and any(e > d for e, d in zip(ends, self.draft_done)):
             starts = list(self.draft_done)  # a draft behind the target (less of it cached) catches up here
-            ids_d, new_d = self._ids(starts, ends)
+            ids_d, new_d, pads_d = self._ids(starts, ends)  # [U, T]
             draft_input = {}
             if rows.features is not None:  # each token with the target's hidden state before it
                 j = torch.arange(ids_d.shape[1], device=ctx.device)  # [T]
-                positions = torch.tensor(starts, device=ctx.device)[:, None] + j  # [U, T]
+                first = [s - pad for s, pad in zip(starts, pads_d)]  # each row's position at column 0
+                positions = torch.tensor(first, device=ctx.device)[:, None] + j  # [U, T]
                 draft_input["features"] = rows.features_before(positions)  # [U, T, E]
             ctx.draft.forward(ids_d, rows.draft_cache, num_new=new_d, logits="last", **draft_input)
             ctx.metrics.draft_forwards += 1
@@ -118,14 +125,13 @@ class PromptRows:
         return logits[:, -1, : ctx.vocab_size]  # [U, V]
 
     def finish(self, logits, requests: list[Request], index: list[int], layout: str) -> tuple[Batch, StepOutput]:
-        """After the last feed (`logits` [U, V]): store the prompts in the prefix cache, give request i the
-        row of prompt index[i], emit every request's first token. Returns the batch (in `layout`) and
-        its first tokens, uncommitted."""
+        """After the last feed (`logits` [U, V]): set the draft's lag, store the prompts in the prefix cache,
+        give request i the row of prompt index[i], emit every request's first token. Returns the batch (in
+        `layout`) and its first tokens, uncommitted."""
         ctx, rows = self.ctx, self.rows
-        if rows.draft_cache is not None and self.run_draft and rows.features is None:
-            # the draft lags by two tokens (batch.py): the last prompt token is fed again next step
-            self.draft_done = [n - 1 for n in self.lengths]
-            self._set_lengths()
+        if self.run_draft:
+            draft = rows.draft_cache
+            rows.set_draft_lag(draft.length, draft.host_length)  # it fed every prompt
         store = ctx.prefix_cache
         if store is not None:
             for u, p in enumerate(self.prompts):
@@ -147,6 +153,19 @@ class PromptRows:
         return batch, first_tokens(ctx, batch, logits, lengths)
 
 
+def first_tokens(ctx: DecodeContext, batch: Batch, logits, lengths: list[int]) -> StepOutput:
+    """Each row's first token from the prefill's last logits [B, V] (appended to the batch's sequences),
+    read back with the one sync of a prefill; uncommitted."""
+    first = choose_tokens(logits, batch.params, ctx.probs_dtype, batch.seq_len, lengths, ctx.kernel_backend)  # [B]
+    batch.append(first[:, None], torch.ones_like(first))
+    logprobs = StepLogprobs.of(logits, batch.params, ctx.probs_dtype)  # None unless some row asks
+    readback, values = read_back(torch.stack([first, finite_rows(logits).to(torch.int64)], dim=1), logprobs,
+                                 first)  # the one sync
+    tokens = [[token] for token, _ in readback]
+    return StepOutput(tokens, [bool(f) for _, f in readback], "prefill",
+                      logprobs=logprobs.parse(values, tokens, batch.params.host_logprobs) if logprobs else None)
+
+
 def distinct_prompts(requests: list[Request]) -> tuple[list[list[int]], list[int]]:
     """The distinct prompts of `requests`, in order, and each request's index into them."""
     seen: dict[tuple, int] = {}
@@ -154,13 +173,20 @@ def distinct_prompts(requests: list[Request]) -> tuple[list[list[int]], list[int
     return [list(p) for p in seen], index
 
 
-def cached_prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: int) -> tuple[Batch, StepOutput]:
-    """`speculative.prefill` with the prefix cache: each distinct prompt's cached prefix copied in, the rest
-    fed in one forward, the prompt's row copied to every request that asked for it."""
-    prompts, index = distinct_prompts(requests)
-    rows = PromptRows(ctx, prompts, capacity, ctx.prefill_draft)
-    logits = rows.feed()
-    return rows.finish(logits, requests, index, layout)
+def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: int) -> tuple[Batch, StepOutput]:
+    """Prefill the newcomers' prompts at once into caches of `capacity` columns (at least what they need) and
+    emit each request's first token from the target. Returns the batch (in `layout`) and its first tokens,
+    uncommitted (the caller commits them: specdec/commit.py). With a prefix cache, each distinct prompt's
+    cached prefix is copied in, the rest fed, and the prompt's row copied to every request that asked for it.
+    Without one, each request is fed in its own row: sharing a row would change the forward's shape (and,
+    unless the models are batch-invariant, the last bits of its results)."""
+    if ctx.prefix_cache is None:
+        rows = PromptRows(ctx, [r.prompt_ids for r in requests], capacity, layout)
+        index = list(range(len(requests)))
+    else:
+        prompts, index = distinct_prompts(requests)
+        rows = PromptRows(ctx, prompts, capacity)
+    return rows.finish(rows.feed(), requests, index, layout)
 
 
 def store_finished(ctx: DecodeContext, batch: Batch, rows=None) -> None:
@@ -203,7 +229,7 @@ def take_waiting(ctx: DecodeContext, waiting, n: int, budget: Budget) -> list[Re
     """Up to n waiting requests to prefill now, in arrival order, removed from `waiting` (a deque). With
     chunked prefill: only those whose uncached prompt fits in a chunk (longer ones stay: a `ChunkedPrefill`
     takes them), within the step's budget (a prompt shared with one already taken costs nothing)."""
-    chunk = ctx.options.prefill_chunk
+    chunk = ctx.options.scheduler.prefill_chunk
     if chunk is None:
         return [waiting.popleft() for _ in range(min(n, len(waiting)))]
     chosen, seen = [], set()
@@ -226,7 +252,7 @@ def take_waiting(ctx: DecodeContext, waiting, n: int, budget: Budget) -> list[Re
 def take_long(ctx: DecodeContext, waiting, rows: int) -> list[Request]:
     """The first waiting request whose uncached prompt is longer than a chunk, with the other choices of
     its request (one prefill serves them), removed from `waiting` -- if they fit in `rows` free rows."""
-    chunk = ctx.options.prefill_chunk
+    chunk = ctx.options.scheduler.prefill_chunk
     if chunk is None:
         return []
     for r in waiting:
@@ -249,7 +275,7 @@ def advance_chunked(ctx: DecodeContext, job: "ChunkedPrefill | None", waiting, r
     if job is None:
         group = take_long(ctx, waiting, rows)
         if group:
-            job = ChunkedPrefill(ctx, group, ctx.options.prefill_chunk, layout)
+            job = ChunkedPrefill(ctx, group, ctx.options.scheduler.prefill_chunk, layout)
     if job is None:
         return None, None, []
     out = job.advance()
@@ -267,7 +293,7 @@ class ChunkedPrefill:
 
     def __init__(self, ctx: DecodeContext, requests: list[Request], chunk: int, layout: str, capacity: int = 0):
         self.ctx, self.requests, self.chunk, self.layout = ctx, list(requests), chunk, layout
-        self.rows = PromptRows(ctx, [list(requests[0].prompt_ids)], capacity, ctx.prefill_draft)
+        self.rows = PromptRows(ctx, [list(requests[0].prompt_ids)], capacity)
         self.chunks = 0
 
     @property
@@ -286,18 +312,5 @@ class ChunkedPrefill:
         return self.rows.finish(logits, self.requests, [0] * len(self.requests), self.layout)
 
 
-__all__ = ["Budget", "ChunkedPrefill", "PromptRows", "cached_prefill", "distinct_prompts", "store_finished",
-           "take_long", "take_waiting", "uncached_tokens"]
-
-
-def first_tokens(ctx: DecodeContext, batch: Batch, logits, lengths: list[int]) -> StepOutput:
-    """Each row's first token from the prefill's last logits [B, V] (appended to the batch's sequences),
-    read back with the one sync of a prefill; uncommitted."""
-    first = choose_tokens(logits, batch.params, ctx.probs_dtype, batch.seq_len, lengths, ctx.kernel_backend)  # [B]
-    batch.append(first[:, None], torch.ones_like(first))
-    logprobs = StepLogprobs.of(logits, batch.params, ctx.probs_dtype)  # None unless some row asks
-    readback, values = read_back(torch.stack([first, finite_rows(logits).to(torch.int64)], dim=1), logprobs,
-                                 first)  # the one sync
-    tokens = [[token] for token, _ in readback]
-    return StepOutput(tokens, [bool(f) for _, f in readback], "prefill",
-                      logprobs=logprobs.parse(values, tokens, batch.params.host_logprobs) if logprobs else None)
+__all__ = ["Budget", "ChunkedPrefill", "PromptRows", "advance_chunked", "distinct_prompts", "first_tokens", "prefill",
+           "store_finished", "take_long", "take_waiting", "uncached_tokens"]

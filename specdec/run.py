@@ -110,7 +110,7 @@ def run(args, sink: JsonlOutput | None = None) -> int:
     compare = default_pair if args.compare_ar is None else args.compare_ar
 
     llm = build_llm(args, device=device)
-    threads = apply_threads(args.threads, llm.target)
+    threads = apply_threads(args.threads, llm.target, llm.startup, llm.specs[0])
     if llm.tokenizer is None:
         raise ValueError(f"--target {target}: no tokenizer (tokenizer.model, tokenizer.json or GGUF tokenizer metadata), "
                          "cannot encode text prompts")
@@ -154,7 +154,7 @@ def run(args, sink: JsonlOutput | None = None) -> int:
     if len(rows) == 4:
         print(f"(batch-1 rows: the first {min(len(ids), BATCH1_PROMPTS)} prompts; every method warmed up before timing)")
     repeats = repeated_prompts(ids)
-    if repeats and llm.suffix_store is not None and "suffix" in (llm.drafter, llm.lookup):
+    if repeats and llm.suffix_store is not None and "suffix" in (llm.drafter, llm.options.speculation.lookup):
         print(f"({repeats} of the prompts {'repeats' if repeats == 1 else 'repeat'} an earlier one: suffix drafts "
               f"from the answers this run already gave, as a server would; each timed run starts with an empty store)")
     if args.metrics:
@@ -163,11 +163,13 @@ def run(args, sink: JsonlOutput | None = None) -> int:
     if llm.chooser is not None and m.measured_step_s:
         print(f"k chosen per step: {dict(sorted(m.k_histogram.items()))}; cost model predicted "
               f"{m.predicted_step_s:.2f} s of step time, measured {m.measured_step_s:.2f} s")
-    setup = f" (+ {m.calibration_s:.2f} s measuring forward costs for auto k, once)" if m.calibration_s >= 0.01 else ""
+    setup = f" (+ {m.calibration_s:.2f} s of start-up measurement, not counted)" if m.calibration_s >= 0.01 else ""
     print(f"\n{plural(m.num_requests, 'request')}, {plural(m.generated_tokens, 'token')} in {m.wall_time_s:.2f} s"
           f"{setup}; "
           f"target forwards {m.target_forwards}, draft forwards {m.draft_forwards}; {weights_summary(llm, args)}, "
           f"device {device_summary(llm.device, args.device)}, {threads}")
+    if llm.startup.summary_line():  # what the start-up measurement timed (or read from its cache), and its cost
+        print(llm.startup.summary_line())
     if args.check_weights:
         seconds = sum(getattr(model, "weights_check_s", None) or 0.0 for model in (llm.target, llm.draft))
         print(f"Weights checked finite (no NaN/inf) in {seconds:.2f} s")
@@ -239,7 +241,7 @@ def raise_terminated(signum, frame):
 
 def error_line(err: BaseException) -> str:
     """The one stderr line for an error; says where the requests finished before it were kept, if anywhere."""
-    line = f"specdec: error: {err}"
+    line = f"specdec.run: error: {err}"
     partial = getattr(err, "specdec_partial", None)
     if partial is not None:
         line += f"; the {partial[1]} request(s) finished before the error are in {partial[0]}"
@@ -282,10 +284,10 @@ def main(argv=None) -> int:
         print(error_line(err), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"specdec: interrupted (Ctrl-C){sink.note('the interrupt') if sink else ''}", file=sys.stderr)
+        print(f"specdec.run: interrupted (Ctrl-C){sink.note('the interrupt') if sink else ''}", file=sys.stderr)
         return 130
     except Terminated:
-        print(f"specdec: terminated (SIGTERM){sink.note('the interrupt') if sink else ''}", file=sys.stderr)
+        print(f"specdec.run: terminated (SIGTERM){sink.note('the interrupt') if sink else ''}", file=sys.stderr)
         return 143
     finally:
         if previous is not None:

@@ -1,5 +1,6 @@
-"""What runs the models: a prefill of newcomers, and one decoding step on a batch, shared by every method.
-Both end with one read of the device and return what each row emitted (a `StepOutput`), uncommitted.
+"""What runs the models after the prefill (specdec/prefill.py): one decoding step on a batch, shared by every
+method. Like the prefill it ends with one read of the device and returns what each row emitted (a
+`StepOutput`), uncommitted.
 
 A speculative step: the proposer (specdec/proposers) plans what each row has on offer, k is chosen (fixed,
 or auto k from the offers), the proposer drafts up to k tokens per row, the target verifies k+1 positions
@@ -7,7 +8,7 @@ in one pass, each row accepts up to its own draft length (greedy, coupled or rej
 sampling.py), fix the caches' lengths, and return what each row emitted (a `StepOutput`): the engine commits
 it to the requests (specdec/commit.py), then the left-padded layout realigns (the scheduler's postprocess,
 `Batch.right_align`). A target-only step (k = 0, and every AR step) feeds each row's last token once and emits one
-token; a draft model skips it and catches up in its next forward (batch.py).
+token; a draft model skips it and catches up in its next forward (its lag: `Batch.set_draft_lag`).
 
 A step reads the device once: one small tensor holding each row's emitted tokens, accepted count and
 finiteness flags, needed on the host for stop detection and request bookkeeping (in the commit), and, for
@@ -20,68 +21,11 @@ import torch
 
 from specdec.kernels.rejection import random_slot, rejection_sample
 
-from .batch import LEFT_PADDED, Batch, DecodeContext, finite_rows, row_params
+from .batch import Batch, DecodeContext, finite_rows
 from .commit import StepOutput
 from .logprobs import StepLogprobs, read_back
-from .prefill import cached_prefill, first_tokens
 from .proposers import Proposal
-from .request import Request
 from .sampling import choose_tokens, draw_step_noise, sample_race
-
-
-def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: int) -> tuple[Batch, StepOutput]:
-    """Prefill prompts (padded on the layout's side), emit each row's first token from the target. Returns
-    the batch and its first tokens, uncommitted (the caller commits them: specdec/commit.py). With a prefix
-    cache, each prompt's cached prefix is copied in and only the rest is fed (specdec/prefill.py)."""
-    if ctx.prefix_cache is not None:
-        return cached_prefill(ctx, requests, layout, capacity)
-    device = ctx.device
-    lengths = [len(r.prompt_ids) for r in requests]
-    width = max(lengths)
-    ids = torch.zeros(len(requests), width, dtype=torch.int64)  # [B, W], 0 = padding (never attended)
-    tokens = torch.zeros(len(requests), max(capacity, width + 1), dtype=torch.int64)  # [B, C] the rows' sequences
-    for i, r in enumerate(requests):
-        prompt = torch.tensor(r.prompt_ids)
-        tokens[i, : lengths[i]] = prompt
-        if layout == LEFT_PADDED:
-            ids[i, width - lengths[i]:] = prompt
-        else:
-            ids[i, : lengths[i]] = prompt
-    ids = ids.to(device)
-
-    def empty_cache(model):
-        cache = ctx.new_cache(model, len(requests), capacity, layout)
-        cache.set_prefill(lengths, width)
-        return cache
-
-    target_cache = empty_cache(ctx.target)
-    features = None
-    if ctx.feature_draft:  # the target's hidden state at every prompt position, kept per position
-        logits, hidden = ctx.target.forward(ids, target_cache, num_new=lengths, logits="last", hidden="all")
-        features = hidden.new_zeros(len(requests), tokens.shape[1], hidden.shape[2])  # [B, C, E]
-        for i, n in enumerate(lengths):
-            features[i, :n] = hidden[i, width - n:] if layout == LEFT_PADDED else hidden[i, :n]
-    else:
-        logits = ctx.target.forward(ids, target_cache, num_new=lengths, logits="last")
-    logits = logits[:, -1, : ctx.vocab_size]  # [B, V]
-    ctx.metrics.target_forwards += 1
-    batch = Batch(list(requests), target_cache, None, tokens.to(device),
-                  torch.tensor(lengths, dtype=torch.int64, device=device), row_params(requests, device), features)
-    if ctx.draft is not None:
-        batch.draft_cache = empty_cache(ctx.draft)
-    if ctx.draft is not None and ctx.prefill_draft:
-        draft_input = {}
-        if features is not None:  # each prompt token with the target's hidden state before it
-            j = torch.arange(width, device=device)  # [W]
-            shift = torch.tensor([width - n if layout == LEFT_PADDED else 0 for n in lengths], device=device)  # [B]
-            draft_input["features"] = batch.features_before(j[None] - shift[:, None])  # [B, W, E]
-        ctx.draft.forward(ids, batch.draft_cache, num_new=lengths, logits="last", **draft_input)
-        ctx.metrics.draft_forwards += 1
-        if features is None:
-            # the draft lags by two tokens (see module docstring): the last prompt token is fed again next step
-            batch.draft_cache.set_rows(length=batch.draft_cache.length - 1, host_length=[n - 1 for n in lengths])
-    # else deferred: an empty draft cache, the whole sequence is its lag
-    return batch, first_tokens(ctx, batch, logits, lengths)
 
 
 def verify(ctx: DecodeContext, batch: Batch, draft_ids):

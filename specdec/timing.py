@@ -4,7 +4,8 @@
 prefix and rewinds the cache (O(1): only the row lengths move), so every call sees the same prefix.
 `time_forward` is the whole measurement on random token ids: one untimed warm-up forward (where a compiled
 model compiles; with CUDA graphs, until the step is a replay of its captured graph), then the median of
-`repeats` timed ones: what a step costs as it will run.
+`repeats` timed ones: what a step costs as it will run. The start-up measurement (specdec/startup.py) asks
+for the warm-up forward only the first time it times a model a given way.
 """
 from __future__ import annotations
 
@@ -66,10 +67,10 @@ class PrefilledCache:
 
 
 def time_forward(model, rows: int, new_tokens: int, context: int, repeats: int, logits: str = "all",
-                 vocab: int | None = None, seed: int = 0) -> tuple[float, float]:
+                 vocab: int | None = None, seed: int = 0, warm_up: bool = True) -> tuple[float, float]:
     """(median wall time of a forward of `new_tokens` random tokens per row on top of a `context`-token random
-    prefix, seconds spent warming up: the prefill and the first, untimed forward, where a compiled model
-    compiles)."""
+    prefix, seconds before the timed forwards: the prefill, the untimed warm-up forward (where a compiled
+    model compiles) unless `warm_up` is False, and with CUDA graphs the shape's capture forwards)."""
     start = time.perf_counter()
     device = getattr(model, "device", torch.device("cpu"))
     vocab = vocab or model.vocab_size
@@ -77,7 +78,7 @@ def time_forward(model, rows: int, new_tokens: int, context: int, repeats: int, 
     prefilled = PrefilledCache(model, random_tokens(rows, context, vocab, g, device), context + new_tokens + 1)
     x = random_tokens(rows, new_tokens, vocab, g, device)  # [rows, T]
     runner = getattr(model, "graph_runner", None)  # CUDA graphs: warm up until the step replays its graph
-    for _ in range(1 + (runner.forwards_before_replay() if runner is not None else 0)):
-        prefilled.time(x, logits)  # warm-up
-    warm_up = time.perf_counter() - start
-    return statistics.median(prefilled.time(x, logits) for _ in range(repeats)), warm_up
+    for _ in range(int(warm_up) + (runner.forwards_before_replay() if runner is not None else 0)):
+        prefilled.forward(x, logits)  # untimed
+    before = time.perf_counter() - start
+    return statistics.median(prefilled.time(x, logits) for _ in range(repeats)), before

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 # one OpenMP thread, no per-step invariant checks: these tests are about files, signals and error lines
-QUIET_ENV = {"OMP_NUM_THREADS": "1", "SPECDEC_CHECK_INVARIANTS": "0"}
+QUIET_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def fake_output(index: int) -> SimpleNamespace:

@@ -1,12 +1,16 @@
 """Test-wide settings: Triton kernels run under the interpreter on CPU, invariant checks are on, caches in a
-temporary directory."""
+temporary directory.
+
+The suite's own switches (read here only: the runtime reads no SPECDEC_* variable that duplicates an option):
+every `LLM` a test builds without saying otherwise checks invariants after each step
+(`SPECDEC_TEST_CHECK_INVARIANTS=0` turns that off), and `SPECDEC_TEST_COMPILE=1` builds them all with
+`compile=True` (a whole suite compiled: docs/api.md, `compile`)."""
 import os
 import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # auto k's cost cache (and anything else under the cache home) stays out of the user's home directory
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specdec-tests-cache-")
-os.environ.setdefault("SPECDEC_CHECK_INVARIANTS", "1")
 
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -18,6 +22,32 @@ settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True
 settings.register_profile("long", max_examples=400, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile("ci")
+
+
+
+def _suite_defaults() -> dict:
+    on = lambda name, default: os.environ.get(name, default) not in ("", "0")  # noqa: E731
+    return {"check_invariants": on("SPECDEC_TEST_CHECK_INVARIANTS", "1"), "compile": on("SPECDEC_TEST_COMPILE", "0")}
+
+
+def _with_suite_defaults(llm_class) -> None:
+    """`LLM(...)` with the suite's defaults for the options a test does not give (nor an `options` object)."""
+    import functools
+
+    init, defaults = llm_class.__init__, _suite_defaults()
+
+    @functools.wraps(init)
+    def suite_init(self, target=None, draft=None, options=None, **kwargs):
+        if options is None:
+            kwargs = {**defaults, **kwargs}
+        init(self, target, draft, options, **kwargs)
+
+    llm_class.__init__ = suite_init
+
+
+import specdec.llm  # noqa: E402
+
+_with_suite_defaults(specdec.llm.LLM)
 
 # tiny models gain nothing from threads, and oversubscribed OpenMP threads crawl on a shared 2-core box
 torch.set_num_threads(1)

@@ -10,8 +10,8 @@ from specdec import LLM, SamplingParams
 from specdec.batch import Batch
 from specdec import autok
 from specdec.request import Request
-from specdec.autok import (CostTable, KChooser, agrees, cache_key, calibrate, forward_variant, load_costs, monotone,
-                           save_costs)
+from specdec.autok import CostTable, KChooser, agrees, cache_key, calibrate, forward_variant, monotone
+from specdec.startup import StartupMeasurement, write_entry
 from specdec.models import load_model
 
 PARAMS = SamplingParams(max_tokens=32)
@@ -117,15 +117,19 @@ def pair(llama_pair):
 
 def test_calibration_is_bounded_and_cached(pair, tmp_path):
     target, draft = (load_model(p, dtype="float32") for p in pair)
-    table = calibrate(target, draft, batch_size=4, k_max=5, context=16, vocab=131, budget_s=0.5)
+    table = calibrate(target, draft, batch_size=4, k_max=5, context=16, vocab=131, measurement=StartupMeasurement(""),
+                      budget_s=0.5)
     assert {4 * t for t in range(1, 3)} <= set(table.target) and 4 in table.draft
     assert all(t > 0 for t in list(table.target.values()) + list(table.draft.values()))
     path = tmp_path / "costs.json"
-    save_costs(str(path), "key", table)
-    assert load_costs(str(path), "key").as_dict() == table.as_dict()
-    assert load_costs(str(path), "other") is None
+    write_entry(str(path), "key", table.as_dict())
+    cache = StartupMeasurement(str(path))
+    assert cache.load("key", CostTable.from_dict).as_dict() == table.as_dict()
+    assert cache.load("other", CostTable.from_dict) is None
+    write_entry(str(path), "key", {"target": "not a table"})
+    assert cache.load("key", CostTable.from_dict) is None  # an entry of another shape is ignored, not fatal
     path.write_text("not json")
-    assert load_costs(str(path), "key") is None  # a corrupt cache is ignored, not fatal
+    assert cache.load("key", CostTable.from_dict) is None  # a corrupt cache is ignored, not fatal
     llm = LLM(*pair, method="ragged", batch_size=2, dtype="float32", cost_cache=str(tmp_path / "c.json"),
               check_invariants=False)
     llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=4))
@@ -145,14 +149,16 @@ def test_a_stale_cached_table_is_measured_again(pair, tmp_path):
     llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=4))
     (key, entry), = json.loads(path.read_text()).items()
     fresh = CostTable(entry["target"], entry["draft"])
-    assert agrees(fresh, llm.target, llm.draft, 2, 8, llm.vocab_size, factor=1000.0)
+    measurement = StartupMeasurement("")
+    assert agrees(fresh, llm.target, llm.draft, 2, 8, llm.vocab_size, measurement, factor=1000.0)
     stale = CostTable({m: 1000 * t for m, t in fresh.target.items()}, {m: 1000 * t for m, t in fresh.draft.items()})
-    assert not agrees(stale, llm.target, llm.draft, 2, 8, llm.vocab_size)
-    save_costs(str(path), key, stale)
+    assert not agrees(stale, llm.target, llm.draft, 2, 8, llm.vocab_size, measurement)
+    write_entry(str(path), key, stale.as_dict())
     again = LLM(*pair, method="ragged", batch_size=2, dtype="float32", cost_cache=str(path), check_invariants=False)
     again.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=4))
     assert again.chooser.costs.target_time(2) < stale.target_time(2) / 10
-    assert load_costs(str(path), key).target_time(2) < stale.target_time(2) / 10  # and the cache is rewritten
+    rewritten = StartupMeasurement(str(path)).load(key, CostTable.from_dict)
+    assert rewritten.target_time(2) < stale.target_time(2) / 10  # and the cache is rewritten
 
 
 def test_cost_cache_key_names_how_the_forward_runs(pair):
@@ -313,16 +319,17 @@ def test_calibration_times_every_smaller_batch_so_a_runs_tail_does_not_draft_for
     drafted k = 7-8 where each such step cost ~3.3x an AR step (the 0.89x of batch 32). Even with no budget
     left, the smaller batches' one-token forwards are timed; on a compute-bound target the tail then stays
     at k = 0."""
-    from specdec import autok
+    from specdec import timing
 
     timed = []
 
-    def compute_bound(model, rows, new_tokens, context, vocab, repeats, logits):  # t = 1 ms per token
+    def compute_bound(model, rows, new_tokens, context, repeats, logits, **kw):  # t = 1 ms per token
         timed.append((rows, new_tokens))
         return rows * new_tokens * 1e-3, 0.0
 
-    monkeypatch.setattr(autok, "time_forward", compute_bound)
-    table = calibrate(object(), None, batch_size=32, k_max=8, context=100, vocab=131, budget_s=0.0)
+    monkeypatch.setattr(timing, "time_forward", compute_bound)
+    table = calibrate(object(), None, batch_size=32, k_max=8, context=100, vocab=131,
+                      measurement=StartupMeasurement(""), budget_s=0.0)
     assert {1, 2, 4, 8, 16, 32, 64} <= set(table.target), table.target
     assert timed[:2] == [(32, 1), (32, 2)] and not any(T > 2 for _, T in timed)  # nothing past the required
     chooser = KChooser(8, table)

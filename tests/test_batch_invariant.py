@@ -8,6 +8,7 @@ with their torch references; `test_kernels_compile_for_sm90` compiles them for a
 """
 import contextlib
 import functools
+import inspect
 import os
 import random
 import subprocess
@@ -26,6 +27,7 @@ from specdec.kernels import dispatch
 from specdec.kernels.positions import step_plan_reference
 from specdec.models import load_model, load_tokenizer
 from specdec.models import numerics
+from specdec.models.transformer import InvariantAttention
 from specdec.prompts import DEFAULT_DRAFT, DEFAULT_TARGET, read_prompts
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
@@ -238,8 +240,10 @@ def test_silu_every_bfloat16_input_and_float32_tails():
     x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0)) * 4
     pair = torch.stack([x, x], 1)
     assert not torch.equal(F.silu(pair[:, 0].contiguous()), F.silu(pair[:, 0]))  # float32: tails round differently
-    assert torch.equal(numerics.silu(pair[:, 0].contiguous(), True), numerics.silu(pair[:, 0], True))
-    assert torch.allclose(numerics.silu(x, True), F.silu(x), rtol=1e-6, atol=1e-6)
+    silu = numerics.silu_kernel(True, x.device, x.dtype)  # the mode's SiLU on the CPU in float32
+    assert silu is numerics.invariant_silu and numerics.silu_kernel(True, x.device, torch.bfloat16) is F.silu
+    assert torch.equal(silu(pair[:, 0].contiguous()), silu(pair[:, 0]))
+    assert torch.allclose(silu(x), F.silu(x), rtol=1e-6, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------- attention
@@ -394,11 +398,12 @@ def test_attention_padding_queries_and_validation():
 
 
 # ------------------------------------------------------------------------------------------- the model
-def _schedule_logits(model, seqs, prompt_lens, T, layout):
+def _schedule_logits(model, seqs, prompt_lens, T, layout, backend=None):
     """Prefill each row's prompt (padded on the layout's side), then feed the rest T tokens per step;
     returns [B, 1 + rest, V]: the prefill's last logits and every fed token's."""
     B, width, rest = len(seqs), max(prompt_lens), len(seqs[0]) - prompt_lens[0]
     cache = model.new_cache(B, width + rest + 1, layout)
+    cache.backend = backend  # the kernels' backend, as an engine sets it (LLM(kernel_backend=...))
     ids = torch.zeros(B, width, dtype=torch.int64)
     for i, (s, n) in enumerate(zip(seqs, prompt_lens)):
         if layout == LEFT_PADDED:
@@ -501,11 +506,25 @@ def test_cli_flag_reaches_the_engine(monkeypatch):
         assert seen["batch_invariant"] == expected and type(seen["batch_invariant"]) is type(expected)
 
 
+def kernel_functions(kernel) -> set:
+    """The functions a chosen kernel runs (a partial of a function, its arguments partials or lists of them)."""
+    if isinstance(kernel, functools.partial):
+        return {kernel.func}.union(*(kernel_functions(a) for a in kernel.args))
+    if isinstance(kernel, list):
+        return set().union(*(kernel_functions(k) for k in kernel))
+    return {kernel} if inspect.isfunction(kernel) or inspect.isbuiltin(kernel) else set()
+
+
 def test_mode_is_a_model_attribute_and_skips_the_compiled_forward(family_checkpoints):
     model = load_model(family_checkpoints["llama"])
     assert model.batch_invariant is False
     model.batch_invariant = True
-    assert all(layer.self_attn.batch_invariant and layer.mlp.batch_invariant for layer in model.layers)
+    ordinary = {numerics.plain_linear, numerics.packed_linear, numerics.addmm_linear_add, F.silu}
+    for layer in model.layers:  # setting the mode chose every layer's kernels again
+        runs = set().union(*(kernel_functions(k) for k in (layer.self_attn.project_kernel,
+                                                           layer.self_attn.output_kernel, layer.mlp.kernel)))
+        assert {numerics.invariant_linear, numerics.invariant_silu} <= runs and not runs & ordinary
+    assert isinstance(model.attention_kind, InvariantAttention)
     model.compiled_forward = lambda *a: pytest.fail("the batch-invariant forward must not run the compiled one")
     cache = model.new_cache(1, 8)
     cache.set_prefill([3], 3)

@@ -160,10 +160,8 @@ def test_quant_matmul_layouts_agree_and_the_model_keeps_k_major():
                        qm.quant_matmul(x, "int4", *dense, backend="triton"))
     from specdec.models.quant import QuantLinear
 
-    layer = QuantLinear("int8", torch.randint(-127, 128, (40, 64), dtype=torch.int8), torch.rand(40) * 0.01,
-                        cpu_kernels=False)
-    assert layer.codes.stride() == (1, 40)  # the GPU layout is K-major; the CPU one stays row-major
-    assert QuantLinear("int8", layer.codes.contiguous(), layer.scales).codes.is_contiguous()
+    layer = QuantLinear("int8", torch.randint(-127, 128, (40, 64), dtype=torch.int8), torch.rand(40) * 0.01)
+    assert layer.codes.stride() == (1, 40)  # the layer keeps its codes K-major
 
 
 # -------------------------------------------------------------------------------------------- attention
@@ -322,7 +320,7 @@ def test_rms_norm_reference_is_the_models_rmsnorm_and_validates():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_on_the_triton_kernels_keeps_a_prompts_logits(llama_pair, monkeypatch, dtype):
     """The wiring: a batch-invariant model whose linear layers and attention run the Triton kernels
-    (models/numerics.py -> bi_linear / bi_attention, forced with SPECDEC_KERNELS=triton) gives a prompt the same
+    (models/numerics.py -> bi_linear / bi_attention, forced with the caches' backend "triton") gives a prompt the same
     logits bit for bit alone (T = 1 steps) and in a left-padded batch of 3 (T = 2 steps). (float32 shows a
     matmul tile chosen by M: checked by hand; bfloat16 logits round such differences away more often.)"""
     from test_batch_invariant import _schedule_logits
@@ -330,15 +328,14 @@ def test_model_on_the_triton_kernels_keeps_a_prompts_logits(llama_pair, monkeypa
     from specdec.models import load_model
     from specdec.models.cache import LEFT_PADDED, RAGGED
 
-    monkeypatch.setenv("SPECDEC_KERNELS", "triton")
     model = load_model(llama_pair[0], dtype=dtype, device=DEVICE)
     model.batch_invariant = True
     ours = [5, 17, 3, 99, 42, 7, 1, 100, 8, 64, 9, 30]
     partners = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24], [40, 41, 42, 43, 44, 45]]
     with torch.no_grad():
-        alone = _schedule_logits(model, [ours], [8], 1, RAGGED)[0]  # [1 + 4, V]
+        alone = _schedule_logits(model, [ours], [8], 1, RAGGED, "triton")[0]  # [1 + 4, V]
         seqs = [partners[0], ours, partners[1]]
-        batched = _schedule_logits(model, seqs, [len(s) - 4 for s in seqs], 2, LEFT_PADDED)[1]
+        batched = _schedule_logits(model, seqs, [len(s) - 4 for s in seqs], 2, LEFT_PADDED, "triton")[1]
     assert torch.equal(alone, batched)
 
 

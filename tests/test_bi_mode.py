@@ -9,13 +9,14 @@ import json
 import pytest
 import torch
 
-from specdec import LLM, SamplingParams, bi_mode
+from specdec import LLM, SamplingParams, bi_mode, timing
 from specdec.models import load_model
+from specdec.startup import StartupMeasurement
 
 
 def fake_measure(ratios, calls=None):
     """A `measure` giving {T: (ratio * 1e-3, 1e-3)} for the lengths asked, recording each call."""
-    def measure(model, rows, lengths):
+    def measure(model, rows, lengths, measurement):
         if calls is not None:
             calls.append((rows, tuple(lengths)))
         return {T: (ratios.get(T, 1.0) * 1e-3, 1e-3) for T in lengths}
@@ -29,13 +30,9 @@ def never(*args, **kwargs):
 def test_the_rule_and_the_settings():
     assert bi_mode.pays(1.15, 1.0) and not bi_mode.pays(1.151, 1.0) and bi_mode.AUTO_MAX_COST == 1.15
     assert bi_mode.worst_cost({1: (1.1, 1.0), 6: (2.4, 2.0)}) == pytest.approx(1.2)
-    for good in (True, False, "auto"):
-        assert bi_mode.check_setting(good) is good or bi_mode.check_setting(good) == good
-    for bad in ("yes", 1, 0, None, "on"):
-        with pytest.raises(ValueError, match="batch_invariant must be"):
-            bi_mode.check_setting(bad)
-    with pytest.raises(ValueError, match="batch_invariant must be"):
-        LLM("/nonexistent", method="ar", batch_invariant="always")  # refused before anything loads
+    for bad in ("yes", 1, 0, None, "on", "always"):  # the option's rule (specdec/options.py), before anything loads
+        with pytest.raises(ValueError, match=r"batch_invariant \(--batch-invariant\) must be True, False or 'auto'"):
+            LLM("/nonexistent", method="ar", batch_invariant=bad)
 
 
 def test_auto_on_cuda_decides_by_the_measured_cost(llama_pair, tmp_path):
@@ -125,7 +122,8 @@ def test_the_real_measurement_restores_the_mode(llama_pair, monkeypatch):
     faults this catches: the pair swapped (off, on), the slowest round kept instead of the fastest, a mode left
     switched on afterwards, the forwards timed in the wrong mode or at another row count or T."""
     target = load_model(llama_pair[0])
-    times = bi_mode.measure_cost(target, 2, [1, 3], context=8, repeats=1, rounds=1)  # the real forwards run
+    times = bi_mode.measure_cost(target, 2, [1, 3], StartupMeasurement(""), context=8, repeats=1,
+                                 rounds=1)  # the real forwards run
     assert set(times) == {1, 3} and all(on > 0 and off > 0 for on, off in times.values())
     assert target.batch_invariant is False
     seen = []
@@ -135,8 +133,8 @@ def test_the_real_measurement_restores_the_mode(llama_pair, monkeypatch):
         base = {1: 0.010, 3: 0.030}[new_tokens] * (2.0 if model.batch_invariant else 1.0)
         return base * (1 + len(seen) % 3), 0.0  # rounds differ: the fastest one must count
 
-    monkeypatch.setattr(bi_mode.timing, "time_forward", fake_time_forward)
-    times = bi_mode.measure_cost(target, 2, [1, 3], context=8, repeats=1, rounds=3)
+    monkeypatch.setattr(timing, "time_forward", fake_time_forward)
+    times = bi_mode.measure_cost(target, 2, [1, 3], StartupMeasurement(""), context=8, repeats=1, rounds=3)
     assert times == {1: (0.020, 0.010), 3: (0.060, 0.030)}  # (with the mode, without), the fastest of 3 rounds
     assert {(rows, t) for rows, t, _ in seen} == {(2, 1), (2, 3)} and len(seen) == 12
     assert target.batch_invariant is False

@@ -138,14 +138,18 @@ def test_help_explains_every_flag():
 
 
 def test_a_bad_integer_and_a_file_for_a_checkpoint_are_one_plain_line(tmp_path):
-    """Not argparse's `invalid positive_int value`, nor 'checkpoint directory not found' for a file that exists."""
+    """Not argparse's `invalid positive_int value`, nor 'checkpoint directory not found' for a file that exists;
+    argparse's refusal and the program's own begin alike, with the program's name (issue 51: `specdec: error:`
+    and `python -m specdec.run: error:` by path)."""
     result = cli("--batch-size", "two")
     assert result.returncode == 2 and "--batch-size: must be an integer >= 1, got 'two'" in result.stderr
     assert "positive_int" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith("specdec.run: error: argument --batch-size"), result.stderr
     readme = tmp_path / "README.md"
     readme.write_text("# not a model\n")
     result = cli("--target", str(readme))
     assert result.returncode == 2 and "a file that is not a .gguf" in result.stderr, result.stderr
+    assert result.stderr.startswith(f"specdec.run: error: --target {readme}: "), result.stderr
 
 
 # --------------------------------------------------------------------------- issue 12: --output, signals, devices
@@ -230,7 +234,7 @@ def test_output_to_dev_full_is_one_line_and_the_device_survives(pair, tmp_path, 
 
     assert main(pair_args(pair, "--prompts", many_prompts(tmp_path, 4), "--max-tokens", "6",
                           "--output", "/dev/full")) == 2
-    assert capsys.readouterr().err == "specdec: error: --output /dev/full: cannot write (No space left on device)\n"
+    assert capsys.readouterr().err == "specdec.run: error: --output /dev/full: cannot write (No space left on device)\n"
     assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
 
 
@@ -265,7 +269,7 @@ def test_sigterm_and_ctrl_c_clean_up_with_one_line(pair, tmp_path, signum, code,
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
-    assert len(err.strip().splitlines()) == 1 and err.startswith(f"specdec: {word}")
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"specdec.run: {word}")
     # issue 26: the requests finished before the signal are kept, as after an error: whole JSON lines only
     # in the hidden partial file, which the line names with its count, and the output itself is not created
     kept = os.listdir(out_dir)
@@ -366,7 +370,9 @@ def test_one_prompt_is_decoded_at_batch_1_and_the_summary_counts_what_it_timed(p
     [m] = json.loads(metrics.read_text())
     assert m["calibration_s"] >= 0.01 and "| realign share |" in out
     assert (f"\n2 requests, {m['generated_tokens']} tokens in {m['wall_time_s']:.2f} s "
-            f"(+ {m['calibration_s']:.2f} s measuring forward costs for auto k, once);") in out, out
+            f"(+ {m['calibration_s']:.2f} s of start-up measurement, not counted);") in out, out
+    [line] = [line for line in out.splitlines() if line.startswith("start-up measurement: ")]
+    assert "auto-k costs at B=2: target 1-" in line, line  # what it timed, for which batch
 
 
 def test_the_embedded_pair_says_it_is_a_toy_and_a_real_target_does_not(pair, capsys):

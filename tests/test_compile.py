@@ -2,7 +2,7 @@
 for AR and the speculative strategies, and one compilation serves every batch size and step length.
 
 Compiling is slow on a small CPU, so CI runs one small case here; the whole equivalence, sampling and
-failure-mode suites run compiled with `SPECDEC_COMPILE=1 python -m pytest tests/test_equivalence.py ...`
+failure-mode suites run compiled with `SPECDEC_TEST_COMPILE=1 python -m pytest tests/test_equivalence.py ...`
 (docs/api.md)."""
 import random
 

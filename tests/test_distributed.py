@@ -121,7 +121,7 @@ def test_ray_missing_is_one_line_naming_the_extra(workload, capsys, monkeypatch,
     output = tmp_path / "out.jsonl"
     assert main([*base, *DECODE, "--ray", "--output", str(output)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and 'pip install -e ".[ray]"' in err[0] and err[0].startswith("specdec: error: --ray")
+    assert len(err) == 1 and 'pip install -e ".[ray]"' in err[0] and err[0].startswith("specdec.run: error: --ray")
     assert not output.exists()
     assert main([*base, *DECODE, "--replicas", "2"]) == 2
     assert "--replicas needs --ray" in capsys.readouterr().err

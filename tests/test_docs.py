@@ -1,7 +1,7 @@
 """The docs say what the code does: every command-line flag they name exists in some CLI's --help, every
 command they show (`python -m bench.peers ...`, `python -m specdec.run ...`, the benchmark pages' included) uses only
 flags of that very program, every `LLM(...)` argument of docs/api.md's table exists (and every argument is in
-the table), every `EngineOptions` field they name exists, every link between them resolves, and docs/benchmarks.md
+the table), every options field they name exists, every link between them resolves, and docs/benchmarks.md
 stays a headline page that links each question's page. Cheap checks, run in the fast lane."""
 import argparse
 import dataclasses
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from specdec import LLM
-from specdec.options import EngineOptions
+from specdec.options import GROUPS, all_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 # the user-facing docs whose flags must exist (the benchmark pages name each bench script's own flags with its command)
@@ -30,6 +30,7 @@ OTHER_TOOLS = {
     "--continuous-batching",  # transformers serve, the peer of bench/serve.py
     "--benchmark-only", "--benchmark-json",  # pytest-benchmark (docs/kernels.md)
     "--no-deps",  # pip download
+    "--index-url",  # pip install (the CPU torch wheel)
 }
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"  # the headline page: one row per question, a link to its page
 BENCHMARK_PAGES = ROOT / "docs" / "benchmarks"  # one page per question: command, run, table, reading
@@ -59,8 +60,8 @@ def test_every_flag_in_the_docs_exists():
 
 def api_table_arguments() -> set[str]:
     text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
-    table = text[text.index("`LLM(...)` arguments:"):]
-    table = table[: table.index("\n\n", table.index("| argument"))]
+    table = text[text.index("| argument | meaning |", text.index("`LLM(target=None, draft=None, options=None")):]
+    table = table[: table.index("\n\n")]
     names = set()
     for row in table.splitlines()[2:]:
         first = row.split("|")[1]
@@ -68,12 +69,13 @@ def api_table_arguments() -> set[str]:
     return names
 
 
-def test_llm_arguments_table_matches_the_signature():
+def test_llm_arguments_table_matches_the_options():
+    """docs/api.md's table names exactly LLM's arguments and every option (specdec/options.py's fields)."""
     documented = api_table_arguments()
-    parameters = set(inspect.signature(LLM).parameters)
-    assert documented <= parameters, f"documented but not LLM arguments: {documented - parameters}"
+    parameters = set(inspect.signature(LLM).parameters) - {"kwargs"} | {f.name for f in all_fields()}
+    assert documented <= parameters, f"documented but not LLM arguments or options: {documented - parameters}"
     undocumented = parameters - documented - {"tokenizer"}  # tokenizer: a model object's, documented below the table
-    assert not undocumented, f"LLM arguments missing from docs/api.md's table: {undocumented}"
+    assert not undocumented, f"LLM arguments or options missing from docs/api.md's table: {undocumented}"
 
 
 @pytest.mark.parametrize("doc", DOCS)
@@ -81,9 +83,11 @@ def test_engine_options_named_in_docs_exist(doc):
     path = ROOT / doc
     if not path.exists():
         pytest.skip(f"{doc} does not exist")
-    fields = {f.name for f in dataclasses.fields(EngineOptions)}
-    named = set(re.findall(r"EngineOptions\.(\w+)", path.read_text(encoding="utf-8")))
-    assert named <= fields, f"{doc} names EngineOptions fields that do not exist: {named - fields}"
+    text = path.read_text(encoding="utf-8")
+    for cls in GROUPS.values():
+        fields = {f.name for f in dataclasses.fields(cls)}
+        named = set(re.findall(rf"{cls.__name__}\.(\w+)", text))
+        assert named <= fields, f"{doc} names {cls.__name__} fields that do not exist: {named - fields}"
 
 
 class _Parsed(Exception):
@@ -221,3 +225,15 @@ def test_the_benchmarks_page_is_a_headline_page():
                               if word not in page.read_text(encoding="utf-8")] for page in pages}
     unrecorded = {name: words for name, words in unrecorded.items() if words}
     assert not unrecorded, f"benchmark pages that do not say their run's revision, date or machine: {unrecorded}"
+
+
+def test_readme_installs_the_cpu_torch_wheel_as_pytorch_documents_it():
+    """Issue 51: `pip install torch==2.13.0` alone resolves to the CUDA build on the public index (several GB of
+    CUDA packages). Every README command that installs torch takes it from PyTorch's CPU index, and .ci/run says
+    why its own pin (from a registry that serves the CPU wheel) differs."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    installs = re.findall(r"pip install torch\S*[^\n&]*", readme)
+    assert installs, "README.md: no torch install"
+    for command in installs:
+        assert "--index-url https://download.pytorch.org/whl/cpu" in command, command
+    assert "download.pytorch.org/whl/cpu" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")

@@ -102,7 +102,7 @@ def test_arrivals_and_aborts_equal_ar(pair, reference, method, k):
     arrive_at = [0, 0, 0] + sorted(rng.randrange(0, 30) for _ in prompts[3:])
     aborted = {3: arrive_at[3] + 2, 7: arrive_at[7], 11: arrive_at[11] + 5}  # mid-run, at once, later
     llm = make_llm(pair, method, k)
-    assert llm.options.check_invariants
+    assert llm.options.scheduler.check_invariants
     results = run_arrivals(llm, prompts, params, arrive_at, aborted)
     check_results(results, reference, params, aborted)
     assert any(results[i][0].finish_reason == "abort" for i in aborted)

@@ -1,7 +1,7 @@
 """EXSPEC: exact equality with AR (float64, greedy) over the three families and a covering selection of
 k, batch and window sizes; same-length prompts group, all-different prompts stay exact, bounded waiting
 holds against an adversarial mix, sampling with seeds does not depend on the batching. Invariant checks
-run after every step (conftest sets SPECDEC_CHECK_INVARIANTS=1; LLM picks it up)."""
+run after every step (tests/conftest.py gives every LLM check_invariants=True)."""
 import random
 
 import pytest

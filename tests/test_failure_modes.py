@@ -63,7 +63,7 @@ def test_rejected_drafts_left_visible(pair, monkeypatch):
     def broken(ctx, batch, *args):
         verified = batch.target_cache.length.clone()  # after verification: every draft cached
         out = original(ctx, batch, *args)
-        batch.target_cache.length = verified  # "forget" to drop the rejected ones
+        batch.target_cache.set_rows(length=verified, host_length=verified.tolist())  # "forget" the rejected ones
         return out  # what each row emitted (the engine commits it)
 
     monkeypatch.setattr(speculative, "accept", broken)

@@ -132,15 +132,19 @@ def test_built_through_the_transformer_constructor(models, monkeypatch):
     with torch.device("meta"):
         plain = Transformer(draft.cfg, fused=True)
     own = set(vars(plain)) - set(vars(torch.nn.Module()))  # what Transformer.__init__ itself sets
-    assert {"cfg", "compiled_forward", "_batch_invariant", "_rope_table"} <= own
+    assert {"cfg", "_compiled_forward", "_batch_invariant", "_rope_table", "head_kernel", "_run_step"} <= own
+
+    def chosen(value):  # a kernel (a partial bound to its model's layer) or a bound method: what it runs
+        return getattr(value, "func", getattr(value, "__func__", value))
+
     for name in own - {"cfg"}:
         assert name in vars(draft), f"FeatureDraft lacks Transformer's {name}"
-        assert vars(draft)[name] == vars(plain)[name], name
+        assert chosen(vars(draft)[name]) == chosen(vars(plain)[name]), name
     assert list(dict(draft.named_children())) == ["fc", "layers", "lm_head"]
     assert draft.embed_tokens is target.embed_tokens and draft.norm is target.norm
     assert not any(k.startswith(("embed_tokens.", "norm.")) for k in draft.state_dict())
-    cos, _ = draft.rope(torch.tensor([[0, 3]]), 8)  # the RoPE table, in the draft's dtype
-    assert cos.dtype == target.dtype and draft.rope_table(1)[0].shape[0] >= 8
+    cos, _ = draft.rope_table(8)  # the RoPE table, in the draft's dtype
+    assert cos.dtype == target.dtype and cos.shape[0] >= 8
 
 
 def test_save_load_round_trip_and_wrong_target(models, tmp_path, checkpoint_pairs, llama_pair):

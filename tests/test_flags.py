@@ -1,7 +1,6 @@
 """One way from flags to an engine (specdec/flags.py): every engine flag reaches `LLM`, in one process,
 in the --compare-ar AR run and on --ray replicas; a model object given to `LLM` keeps its packing."""
 import argparse
-import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -9,31 +8,64 @@ import pytest
 import specdec.distributed as distributed
 import specdec.run as run
 from specdec import LLM
-from specdec.flags import ENGINE_KWARGS, add_engine_arguments, engine_kwargs
+from specdec.flags import add_engine_arguments, engine_kwargs
+from specdec.options import all_fields, flag_names
 from specdec.models import load_model
 from specdec.prompts import DEFAULT_TARGET
 
 
-def test_every_engine_flag_is_an_llm_argument():
+def test_every_engine_flag_is_an_option():
+    """The flag table is the options' fields: each field one flag, with the field's help, and nothing else but
+    --target and --draft; every field is a keyword LLM takes."""
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
-    dests = {a.dest for a in parser._actions} - {"help", "target", "draft"}
-    assert dests == set(ENGINE_KWARGS), "a flag of add_engine_arguments is not mapped to an LLM argument"
-    llm_args = set(inspect.signature(LLM).parameters)
-    assert set(ENGINE_KWARGS.values()) <= llm_args
+    actions = {a.dest: a for a in parser._actions}
+    assert set(actions) - {"help", "target", "draft"} == {f.name for f in all_fields()}
+    for f in all_fields():
+        assert actions[f.name].option_strings[:len(flag_names(f))] == list(flag_names(f)), f.name  # + --no-x
+        assert actions[f.name].help == f.metadata["help"], f.name
+        assert actions[f.name].default == f.default, f.name
+    built = LLM.__new__(LLM)
+    with pytest.raises(TypeError, match="unknown option 'batch_sise'; did you mean 'batch_size'"):
+        LLM.__init__(built, "/nonexistent", batch_sise=2)
 
 
-def test_the_cli_names_the_runtimes_lookups():
-    from specdec import flags, proposers
+def parser_actions(parser) -> dict:
+    """option string -> (dest, help, default, type name, choices) of every flag a parser (and its groups) has."""
+    return {s: (a.dest, a.help, a.default, getattr(a.type, "__name__", None), a.choices)
+            for a in parser._actions for s in a.option_strings}
 
-    assert flags.LOOKUPS == proposers.LOOKUPS
+
+def test_one_flag_table_for_every_command():
+    """specdec.run, specdec.serve and specdec.train take their model and engine flags from one table: the same
+    option strings mean the same option, with the same default, rule and help (serve words --batch-size, train
+    --target, for what they do with them); --ray replicas get the same kwargs (test below)."""
+    from specdec.serve.__main__ import build_parser as serve_parser
+    from specdec.train.__main__ import build_parser as train_parser
+
+    table = parser_actions(run.build_parser())
+    serve, train = parser_actions(serve_parser()), parser_actions(train_parser())
+    engine = argparse.ArgumentParser()
+    add_engine_arguments(engine)
+    for flag, action in parser_actions(engine).items():
+        assert flag in table and flag in serve, flag
+        assert table[flag] == action, flag
+        same = action if flag != "--batch-size" else (action[0], serve[flag][1], *action[2:])
+        assert serve[flag] == same, flag
+    # train's --target is a path (its own wording); its --threads is training's (default 1, no start-up timing)
+    assert train["--device"] == table["--device"]
+    assert train["--target"][0] == "target" and train["--target"][2] is None
 
 
-def test_the_cli_names_the_quantized_formats():
-    from specdec import flags
+def test_the_options_name_the_runtimes_lookups_formats_and_backends():
+    from specdec import options, proposers, schedulers
+    from specdec.kernels import dispatch
     from specdec.models import quant
 
-    assert set(flags.QUANTIZE) == set(quant.FORMATS)
+    assert options.LOOKUPS == proposers.LOOKUPS
+    assert set(options.QUANTIZE) == set(quant.FORMATS)
+    assert set(options.KERNEL_BACKENDS) == set(dispatch.BACKENDS)
+    assert set(options.METHODS) == set(schedulers.SCHEDULERS) and set(options.SPECULATIVE) == set(schedulers.SPECULATIVE)
 
 
 def test_run_parser_passes_every_engine_flag():
@@ -102,7 +134,7 @@ def test_model_object_keeps_its_packing():
 
 
 @pytest.mark.parametrize("program, argv, words", [
-    ("specdec.run", ["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+    ("specdec.run", ["--batch-size", "0"], "argument --batch-size: must be an integer >= 1, got '0'"),
     ("specdec.run", ["--num-speculative-tokens", "-3"],
      "argument -k/--num-speculative-tokens: must be 'auto' or an integer >= 1, got '-3'"),
     ("specdec.run", ["--method", "fast"],
@@ -119,10 +151,23 @@ def test_a_refused_flag_is_one_line_without_the_usage_block(program, argv, words
 
     result = subprocess.run([sys.executable, "-m", program, *argv], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr == f"python -m {program}: error: {words} (`python -m {program} --help` lists the flags)\n"
+    assert result.stderr == f"{program}: error: {words} (`python -m {program} --help` lists the flags)\n"
 
 
 def test_k_help_says_what_k_takes():
     """-k's help: auto chooses from 0 up (0: a step without the draft); a fixed k is >= 1 (0 is refused)."""
     text = " ".join(run.build_parser().format_help().split())
     assert "a fixed integer >= 1" in text and "(0 = a step without the draft)" not in text
+
+
+def test_the_runtime_reads_no_specdec_environment_variable():
+    """Issue 51: SPECDEC_COMPILE, SPECDEC_CHECK_INVARIANTS and SPECDEC_KERNELS duplicated LLM arguments (compile,
+    check_invariants, kernel_backend) through the environment. The runtime (specdec/, models/, kernels/) names no
+    SPECDEC_* variable now; the test suite's own switches (SPECDEC_TEST_*) are read by tests/conftest.py alone."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    named = [f"{path.relative_to(root)}:{n}" for folder in ("specdec", "models", "kernels")
+             for path in sorted((root / folder).rglob("*.py"))
+             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if "SPECDEC_" in line]
+    assert not named, f"the runtime names SPECDEC_* variables: {named}"

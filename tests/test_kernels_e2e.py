@@ -25,8 +25,8 @@ def test_triton_path_equals_torch_path(pair, method, monkeypatch):
               SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.2, top_k=30, seed=2)]
 
     def run(backend):
-        monkeypatch.setenv("SPECDEC_KERNELS", backend)
-        llm = LLM(target, draft, method=method, num_speculative_tokens=3, batch_size=3, dtype="float64")
+        llm = LLM(target, draft, method=method, num_speculative_tokens=3, batch_size=3, dtype="float64",
+                  kernel_backend=backend)
         return llm.generate(prompt_token_ids=prompts, sampling_params=params)
 
     torch_outs, triton_outs = run("torch"), run("triton")
@@ -43,7 +43,6 @@ def test_kernel_backend_option_reaches_every_kernel(pair, monkeypatch):
     import specdec.kernels.realign as rea
     import specdec.kernels.rejection as rej
 
-    monkeypatch.delenv("SPECDEC_KERNELS", raising=False)
     calls = set()
     for mod, name in ((pos, "step_plan"), (kva, "kv_append"), (rea, "realign"), (rej, "rejection_sample")):
         real = getattr(mod, f"{name}_triton")

@@ -64,11 +64,11 @@ def test_rms_norm_in_one_op_has_the_chains_bits():
         x = torch.randn(shape, generator=g) * 3
         w = torch.randn(shape[-1], generator=g)
         chain = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
-        assert torch.equal(numerics.rms_norm(x, w, 1e-5), chain), shape
+        assert torch.equal(numerics.rms_norm_kernel(False, torch.float32)(x, w, 1e-5), chain), shape
         xb, wb = x.bfloat16(), w.bfloat16()
         x32 = xb.float()
         chain = wb * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
-        assert torch.equal(numerics.rms_norm(xb, wb, 1e-5), chain), shape
+        assert torch.equal(numerics.rms_norm_kernel(False, torch.bfloat16)(xb, wb, 1e-5), chain), shape
 
 
 def rotate_half(x):
@@ -92,8 +92,8 @@ def test_one_rotation_formula_gives_hf_s_bits(family_ckpts, family, dtype):
     positions = torch.randint(0, 300, (2, 5), generator=g)  # [B, T]
     x = (torch.randn(2, 5, H + 2 * Hkv, D, generator=g) * 2).to(model.dtype)  # [B, T, heads, D]
     got = numerics.rotate(x, *model.rope_heads(positions))
-    cos, sin = model.rope(positions)  # [B, 1, T, R]
-    cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # [B, T, 1, R]
+    cos, sin = model.rope_table(300)  # [N, R] each, positions 0..N-1
+    cos, sin = cos[positions][:, :, None], sin[positions][:, :, None]  # [B, T, 1, R]
     qk = x[:, :, :H + Hkv]
     rot = rotate_pairs(qk[..., :R]) if cfg.rope_interleaved else rotate_half(qk[..., :R])
     want = torch.cat((qk[..., :R] * cos + rot * sin, qk[..., R:]), dim=-1)

@@ -84,7 +84,7 @@ def test_sampling_params_validation():
 def test_api_types_are_checked_at_the_door(pair):
     """Issue 26: wrong types are refused where they enter, naming the argument and the prompt."""
     target, draft = pair
-    with pytest.raises(ValueError, match="batch_size must be an integer"):
+    with pytest.raises(ValueError, match=r"batch_size \(--batch-size\) must be an integer"):
         LLM(target, draft, batch_size=2.5)
     llm = LLM(target, draft, num_speculative_tokens=2)
     with pytest.raises(TypeError, match="prompt 0 has a token id that is not an integer: 2.7"):

@@ -397,15 +397,6 @@ def test_loaded_weights_are_the_files_converted(good, monkeypatch, kind, dtype):
         assert p.dtype == target and torch.equal(p, tensors[name].to(target)), name
 
 
-def test_fuse_after_unfused_load_equals_fused_load(good):
-    for kind in ("single", "glm4"):
-        fused = load_model(good[kind], dtype="float64")
-        later = load_model(good[kind], dtype="float64", fuse=False).fuse_()
-        a, b = fused.state_dict(), later.state_dict()
-        assert a.keys() == b.keys()
-        assert all(torch.equal(a[k], b[k]) for k in a)
-
-
 # --------------------------------------------------------------------------- --check-weights (defect 1, at load)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specdec import openmp, timing
+from specdec.startup import StartupMeasurement
 from specdec.flags import Parser, add_threads_argument
 
 PROBE = ("import sys, os, importlib; importlib.import_module(sys.argv[1]); "
@@ -69,7 +70,7 @@ def restore_threads():
     ({1: 10.0, 2: 9.9}, 1),     # nor one within the noise margin
     ({1: 10.0, 2: 9.0, 4: 9.5}, 2),
 ])
-def test_choose_threads_keeps_the_fastest_count(monkeypatch, restore_threads, step_ms, chosen):
+def test_time_threads_and_the_fastest_count(monkeypatch, restore_threads, step_ms, chosen):
     seen = []
 
     def fake_time_forward(model, rows, new_tokens, context, repeats, logits="all", **kw):
@@ -78,9 +79,9 @@ def test_choose_threads_keeps_the_fastest_count(monkeypatch, restore_threads, st
         return step_ms[n] / 1e3, 0.0
 
     monkeypatch.setattr(timing, "time_forward", fake_time_forward)
-    best, medians = openmp.choose_threads(object(), sorted(step_ms))
-    assert best == chosen and torch.get_num_threads() == chosen
+    medians = openmp.time_threads(object(), sorted(step_ms), StartupMeasurement(""))
     assert medians == pytest.approx({n: ms / 1e3 for n, ms in step_ms.items()})
+    assert openmp.fastest_count(medians) == chosen
     assert {(r, t) for _, r, t in seen} == {(1, 1)}  # batch-1 decode steps
     assert [n for n, _, _ in seen] == sorted(step_ms) * openmp.THREADS_ROUNDS  # interleaved rounds
 
@@ -100,3 +101,41 @@ def test_apply_threads_on_a_model(restore_threads, llama_pair):
     best, one, two = int(m[1]), float(m[2]), float(m[3])
     assert best == torch.get_num_threads()
     assert best == (2 if two < (1 - openmp.MARGIN) * one else 1), line
+
+
+def test_apply_threads_caches_its_times_and_checks_the_cached_winner(monkeypatch, restore_threads, llama_pair,
+                                                                     tmp_path):
+    """`--threads auto` with the start-up measurement: the times are cached per checkpoint; a later run times the
+    cached winner once and keeps the cached choice while that step is within the spot check's factor, and
+    measures again when it is not (a core got busy: two threads now slower than one). Injected faults this
+    catches: the cache not read, the spot check skipped (the stale 2 kept), torch left at another count."""
+    from specdec.models import load_model
+
+    model = load_model(llama_pair[0])
+    step_ms, seen = {1: 10.0, 2: 7.0}, []
+
+    def fake_time_forward(model, rows, new_tokens, context, repeats, logits="all", **kw):
+        seen.append(torch.get_num_threads())
+        return step_ms[torch.get_num_threads()] / 1e3, 0.0
+
+    monkeypatch.setattr(timing, "time_forward", fake_time_forward)
+    path = str(tmp_path / "costs.json")
+
+    def apply():
+        torch.set_num_threads(2)
+        seen.clear()
+        measurement = StartupMeasurement(path)
+        return openmp.apply_threads("auto", model, measurement, llama_pair[0]), measurement
+
+    line, measurement = apply()
+    assert line.startswith("torch threads 2 (--threads auto: ") and len(seen) == 2 * openmp.THREADS_ROUNDS
+    assert measurement.records[0].result == "threads 2 (1: 10.0 ms, 2: 7.0 ms)" and not measurement.records[0].cached
+    line, measurement = apply()
+    assert line.startswith("torch threads 2 (--threads auto, cached: ") and seen == [2]  # one spot check at 2
+    assert torch.get_num_threads() == 2 and measurement.records[0].cached
+    step_ms[2] = 20.0  # one core busy elsewhere
+    line, _ = apply()
+    assert line.startswith("torch threads 1 (--threads auto: ") and torch.get_num_threads() == 1
+    assert seen == [2] + [1, 2] * openmp.THREADS_ROUNDS  # the failed spot check, then the measurement
+    line, _ = apply()  # the new times replaced the stale ones
+    assert line.startswith("torch threads 1 (--threads auto, cached: ") and seen == [1]

@@ -94,8 +94,7 @@ def test_packed_row_buckets_bound_the_shapes_and_keep_results():
     if numerics.pack_weight(torch.zeros(8, 8)) is None:
         pytest.skip("no oneDNN packed path in this torch build")
     x = torch.randn(3, 7, 32)  # 21 rows: padded to 24
-    torch.testing.assert_close(numerics.linear(layer, x, False, packed=True), layer(x), rtol=1e-5, atol=1e-5)
-    layer.packed_linear = True
+    torch.testing.assert_close(numerics.linear_kernel(layer, False, True)(x), layer(x), rtol=1e-5, atol=1e-5)
     model = nn.Sequential(layer)
     model.packed_linear = True
     assert numerics.warm_packed(model) == len(shapes)

@@ -301,7 +301,7 @@ def test_a_budget_must_be_positive(pair, value):
 
 @pytest.mark.parametrize("value", [0, -3, 1.5, True])
 def test_a_chunk_must_be_a_positive_int(pair, value):
-    with pytest.raises(ValueError, match=r"prefill_chunk \(--prefill-chunk\) must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"prefill_chunk \(--prefill-chunk\) must be an integer >= 1 or None"):
         LLM(pair[0], method="ar", prefill_chunk=value)
 
 

@@ -160,11 +160,11 @@ def test_bad_proposer_settings_get_one_line(checkpoint_pairs):
         NgramProposer(3, 2)
     with pytest.raises(ValueError, match="ngram_min \\(5\\) must be <= ngram_max \\(4\\)"):
         LLM(target, draft="ngram", ngram_min=5)
-    with pytest.raises(ValueError, match="lookup must be one of"):
+    with pytest.raises(ValueError, match=r"lookup \(--lookup\) must be one of .ngram., .suffix. or None"):
         LLM(target, draft=checkpoint_pairs("llama")[1], lookup="bigram")
     with pytest.raises(ValueError, match="lookup= goes beside a draft model"):
         LLM(target, draft="ngram", lookup="suffix")
-    with pytest.raises(ValueError, match="suffix_store_tokens must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"suffix_store_tokens \(--suffix-store-tokens\) must be an integer >= 0"):
         LLM(target, draft="suffix", suffix_store_tokens=-1)
 
 

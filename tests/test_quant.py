@@ -36,8 +36,7 @@ def test_q4_blocks_as_stored_equal_the_gguf_library_dequantization(qtype):
     assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
     assert torch.equal(dequantize_int4(codes, scales, zeros), reference)  # the file's numbers exactly
     layer = QuantLinear("int4", codes, scales, zeros)
-    # the kernel's scales are bfloat16 (the one rounding taken on the file's float16 d and m), and so is its
-    # output (what `dequantize` reads back)
+    # the kernel's scales are bfloat16 (the one rounding taken on the file's float16 d and m)
     tol = (8 * scales.abs().repeat_interleave(GROUP, 1) + zeros.abs().repeat_interleave(GROUP, 1)
            + reference.abs()) * 2 * BF16_EPS
     assert ((layer.dequantize() - reference).abs() <= tol + 1e-7).all()

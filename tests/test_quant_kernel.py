@@ -107,13 +107,11 @@ def test_dispatch_runs_the_reference_on_cpu_and_the_kernel_when_asked(monkeypatc
     reference = qm.quant_matmul_reference  # the real one: the patched reference below would log "torch" too
     monkeypatch.setattr(qm, "quant_matmul_triton", lambda *a: calls.append("triton") or reference(*a))
     monkeypatch.setattr(qm, "quant_matmul_reference", lambda *a: calls.append("torch") or torch.zeros(3, 32))
-    monkeypatch.delenv("SPECDEC_KERNELS", raising=False)
     qm.quant_matmul(x, "int4", codes, scales, zeros)
     assert calls == ["triton" if x.is_cuda else "torch"]
     if dispatch.triton_available() and (INTERPRET or GPU):
         calls.clear()
-        monkeypatch.setenv("SPECDEC_KERNELS", "triton")
-        qm.quant_matmul(x, "int4", codes, scales, zeros)
+        qm.quant_matmul(x, "int4", codes, scales, zeros, backend="triton")
         assert calls[0] == "triton"
 
 
@@ -138,28 +136,22 @@ def test_wrapper_rejects_bad_arguments_naming_them(change, message):
 @needs_triton
 @pytest.mark.parametrize("fmt", qm.FORMATS)
 def test_quant_linear_gpu_layout_runs_the_kernel(monkeypatch, fmt):
-    """QuantLinear's non-CPU layout (nibbles, scales, zeros) through the kernel: its dequantized weight, the
-    kernel's numbers, and the CPU kernels' numbers to bfloat16 rounding."""
-    monkeypatch.setenv("SPECDEC_KERNELS", "triton")
+    """QuantLinear's layout (nibbles, scales, zeros) through the kernel: its dequantized weight (the rows' numbers
+    with bfloat16 scales and zeros) and the kernel's numbers."""
     w = torch.randn(40, 96)
     rows = QuantRows(fmt, (40, 96), "w", device="cuda")  # the GPU layout's codes (kept on the CPU until module())
     rows.add_float(0, w)
     bias = torch.randn(40)
-    zeros = rows.zeros
-    gpu = QuantLinear(fmt, rows.codes, rows.scales, zeros, bias, cpu_kernels=False).to(DEVICE)
-    cpu = QuantLinear(fmt, rows.codes, rows.scales, zeros, bias)
-    if fmt == "int4":  # exactly the rows' numbers with bfloat16 scales and zeros (the CPU one reads back bf16)
+    gpu = QuantLinear(fmt, rows.codes, rows.scales, rows.zeros, bias).to(DEVICE)
+    if fmt == "int4":
         want = qm.dequantize_int4(rows.codes, rows.scales.bfloat16(), rows.zeros.bfloat16())
     else:
-        want = cpu.dequantize()
+        want = rows.codes.float() * rows.scales.bfloat16().float()[:, None]
     assert torch.equal(gpu.dequantize().cpu(), want)
     x = torch.randn(2, 3, 96)
-    y = gpu(x.to(DEVICE))  # [2, 3, 40]
+    y = gpu(x.to(DEVICE), "triton")  # [2, 3, 40]
     operands = (gpu.nibbles, gpu.scales, gpu.zeros) if fmt == "int4" else (gpu.codes, gpu.scales, None)
-    assert torch.equal(y, qm.quant_matmul(x.to(DEVICE), fmt, *operands) + bias.to(DEVICE))
-    deq = cpu.dequantize()
-    bound = 4 * 2.0 ** -8 * (x.abs() @ deq.abs().t()) + 1e-5  # the CPU kernels round x and y to bfloat16
-    assert ((y.cpu() - cpu(x)).abs() <= bound).all()
+    assert torch.equal(y, qm.quant_matmul(x.to(DEVICE), fmt, *operands, backend="triton") + bias.to(DEVICE))
 
 
 # ---------------------------------------------------------------------------------------------- compiler
@@ -200,12 +192,12 @@ def test_quantized_model_on_the_kernel_is_batch_invariant_bitwise(llama_pair, mo
     if not GPU:  # the GPU layout, on the CPU (on a GPU the model is loaded there and has it already)
         monkeypatch.setattr(quant.QuantRows, "uses_blocks", staticmethod(lambda device, fmt: False))
         monkeypatch.setattr(quant.QuantRows, "module", lambda self, bias=None, device="cpu": QuantLinear(
-            self.fmt, self.codes, self.scales, self.zeros, bias, cpu_kernels=False))
+            self.fmt, self.codes, self.scales, self.zeros, bias))
     launches = []
 
     def kernel(*args, **kwargs):
         launches.append(1)
-        return qm.quant_matmul(*args, **kwargs, backend="triton")
+        return qm.quant_matmul(*args, **{**kwargs, "backend": "triton"})
 
     monkeypatch.setattr(quant, "quant_matmul", kernel)
     model = load_model(llama_pair[0], quantize="int4", device=DEVICE)

@@ -5,7 +5,7 @@ Fast and mostly in-process (no decoding): config.json field by field, unreadable
 chat-template render errors, prompt files (BOM, non-regular paths, deep JSON, lone surrogates), the
 --output writer (whole lines after a cut-off write, interrupts keep what finished, read-only files),
 `check_paths` (outputs that are inputs or each other, --metrics writable up front) and
-`SPECDEC_KERNELS=triton` where Triton cannot run. The CLI cases at the end drive `python -m specdec.run`.
+`--kernel-backend triton` where Triton cannot run. The CLI cases at the end drive `python -m specdec.run`.
 """
 from __future__ import annotations
 
@@ -525,15 +525,14 @@ def test_good_paths_pass_and_leave_nothing_behind(tmp_path, inputs):
 def test_triton_backend_without_gpu_or_interpreter_is_one_value_error(monkeypatch):
     from specdec.kernels import dispatch
 
-    monkeypatch.setenv("SPECDEC_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(dispatch, "triton_available", lambda: True)
     with pytest.raises(ValueError) as info:
-        dispatch.choose_backend(torch.zeros(1))
-    assert one_line(info.value).startswith("SPECDEC_KERNELS=triton: the Triton kernels need a CUDA GPU, or "
+        dispatch.choose_backend(torch.zeros(1), "triton")
+    assert one_line(info.value).startswith("kernel backend 'triton': the Triton kernels need a CUDA GPU, or "
                                            "TRITON_INTERPRET=1")
     monkeypatch.setattr(dispatch, "triton_available", lambda: False)
-    with pytest.raises(ValueError, match="^backend='triton': triton is not installed"):
+    with pytest.raises(ValueError, match="^kernel backend 'triton': triton is not installed"):
         dispatch.choose_backend(torch.zeros(1), "triton")
 
 
@@ -550,9 +549,9 @@ def assert_one_error_line(result, code=2):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_cli_triton_kernels_without_interpreter_is_one_line():
-    result = cli("--prompt", "hello", *QUICK, env={"SPECDEC_KERNELS": "triton", "TRITON_INTERPRET": "0"})
+    result = cli("--prompt", "hello", "--kernel-backend", "triton", *QUICK, env={"TRITON_INTERPRET": "0"})
     assert_one_error_line(result)
-    assert "SPECDEC_KERNELS=triton: the Triton kernels need a CUDA GPU" in result.stderr
+    assert "kernel backend 'triton': the Triton kernels need a CUDA GPU" in result.stderr
 
 
 def test_cli_prompts_fifo_and_deep_json_are_one_line(tmp_path):
@@ -591,7 +590,7 @@ def test_cli_checks_metrics_before_decoding(tmp_path):
 
 
 def test_cli_with_stdout_closed_is_not_a_traceback():
-    env = dict(os.environ, OMP_NUM_THREADS="1", SPECDEC_CHECK_INVARIANTS="0")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "-m", "specdec.run", "--prompt", "hello", *QUICK, "--samples", "1"],
                             stderr=subprocess.PIPE, text=True, timeout=300, env=env, preexec_fn=lambda: os.close(1))
     assert result.returncode in (0, 2) and "Traceback" not in result.stderr, result.stderr
@@ -613,7 +612,7 @@ runpy.run_module("specdec.run", run_name="__main__")
 def test_cli_ctrl_c_during_start_up_is_one_line():
     result = subprocess.run([sys.executable, "-c", CTRL_C_AT_IMPORT], capture_output=True, text=True, timeout=120)
     assert_one_error_line(result, code=130)
-    assert result.stderr.startswith("specdec: interrupted (Ctrl-C)")
+    assert result.stderr.startswith("specdec.run: interrupted (Ctrl-C)")
 
 
 def test_cli_seed_overflow_reports_the_typed_value():

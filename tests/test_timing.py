@@ -25,22 +25,31 @@ def test_forwards_on_a_prefilled_cache_see_the_prefix_every_time():
 
 def test_time_forward_reports_the_median_of_the_timed_forwards_and_not_the_warm_up(monkeypatch):
     """Injected faults this catches: time_forward returning the mean (or the first, or the last) of its timed
-    forwards instead of their median, or counting the warm-up forward among them, or leaving the prefill and the
-    warm-up out of the warm-up seconds. The forwards' times are injected; the prefill and warm-up really run."""
+    forwards instead of their median, or timing the warm-up forward among them, or running it with
+    warm_up=False (the start-up measurement's later timings of a model), or leaving the prefill and the warm-up
+    out of the seconds before the timed forwards. The forwards' times are injected; the forwards really run."""
     import specdec.timing as timing
 
     model = load_model(DEFAULT_TARGET, dtype="float32")
-    fake = iter([9.0, 0.5, 0.1, 0.4, 7.0])  # the warm-up (9 s), then 4 timed forwards: median 0.45, mean 2.0
-    real_time = timing.PrefilledCache.time
-    calls = []
+    fake = iter([0.5, 0.1, 0.4, 7.0, 0.3])  # 4 timed forwards: median 0.45, mean 2.0; then 1 more
+    real_step, real_time = timing.PrefilledCache.step, timing.PrefilledCache.time
+    forwards, timed = [], []
+
+    def step(self, x, logits="all"):
+        forwards.append(x.shape)
+        return real_step(self, x, logits)
 
     def time(self, x, logits="all"):
         real_time(self, x, logits)  # the forward runs (and rewinds) as it would
-        calls.append(x.shape)
+        timed.append(x.shape)
         return next(fake)
 
+    monkeypatch.setattr(timing.PrefilledCache, "step", step)
     monkeypatch.setattr(timing.PrefilledCache, "time", time)
-    median, warm_up = time_forward(model, rows=2, new_tokens=2, context=8, repeats=4)
-    assert median == 0.45  # the median of 0.5, 0.1, 0.4, 7.0: neither the mean (2.0) nor with the warm-up's 9 s
-    assert calls == [(2, 2)] * 5  # one warm-up, then `repeats` forwards, each of rows x new_tokens
-    assert 0 < warm_up < 9.0  # measured around the prefill and the warm-up forward, not the injected seconds
+    median, before = time_forward(model, rows=2, new_tokens=2, context=8, repeats=4)
+    assert median == 0.45  # the median of 0.5, 0.1, 0.4, 7.0: neither the mean (2.0) nor the first or last
+    assert forwards == [(2, 2)] * 5 and timed == [(2, 2)] * 4  # one untimed warm-up, then `repeats` timed
+    assert before > 0  # measured around the prefill and the warm-up forward
+    forwards.clear()
+    assert time_forward(model, rows=2, new_tokens=2, context=8, repeats=1, warm_up=False)[0] == 0.3
+    assert forwards == [(2, 2)]  # no warm-up forward: the timed one alone

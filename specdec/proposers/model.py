@@ -1,5 +1,5 @@
 """The draft-model proposer: k autoregressive forwards of a small model (or of a feature draft reading the
-target's hidden states) on the batch's draft cache (its lag rules: specdec/batch.py)."""
+target's hidden states) on the batch's draft cache (its lag rule: `Batch.set_draft_lag`, specdec/batch.py)."""
 from __future__ import annotations
 
 import torch
@@ -22,9 +22,10 @@ class ModelProposer:
 
     def propose(self, ctx, batch, k: int, noise, plan=None) -> Proposal:
         """The first draft forward feeds each row's unseen tokens (T >= 2, or >= 1 for a feature draft: see
-        `Batch.rewind_draft`), the next k - 1 one each. `noise`: the step's `sampling.StepNoise` (None when
-        all greedy); `noise.race[:, j]`, the Exp(1) noise of position seq_len + j, samples the j-th draft of
-        sampling rows. A row whose draft logits were not all finite offers no draft (length 0)."""
+        `Batch.set_draft_lag` and `Batch.rewind_draft`), the next k - 1 one each. `noise`: the step's
+        `sampling.StepNoise` (None when all greedy); `noise.race[:, j]`, the Exp(1) noise of position seq_len + j,
+        samples the j-th draft of sampling rows. A row whose draft logits were not all finite offers no draft
+        (length 0)."""
         V, params, cache = ctx.vocab_size, batch.params, batch.draft_cache
         T, fed = batch.rewind_draft()
         positions = batch.last_positions(T, cache.layout)  # [B, T]
@@ -53,11 +54,11 @@ class ModelProposer:
                         torch.stack(probs, dim=1) if probs else None, ok)
 
     def observe(self, batch, k: int, seq_before: list[int], counts: list[int], num_accepted, kept=None) -> None:
-        """The draft keeps the accepted drafts it has fed (all but the k-th): a lag of 2 behind the
-        sequence; a feature draft keeps the sequence before the step (`Batch.draft_accepted`). `kept`
-        ([B] bool, host list): rows whose drafts were not this model's (a lookup's, `CombinedProposer`):
-        their draft cache keeps only the sequence before the step, which the first forward fed."""
-        batch.draft_accepted(seq_before, counts, num_accepted, replaced=kept)
+        """The draft cache keeps what the lag rule says (`Batch.set_draft_lag`); the step's first draft forward
+        fed each row's sequence before the step. `kept` ([B] bool, host list): rows whose drafts were not this
+        model's (a lookup's, `CombinedProposer`)."""
+        before = batch.target_cache.length - num_accepted  # [B] the sequence before the step
+        batch.set_draft_lag(before, seq_before, replaced=kept)
 
     def release(self, request) -> None:
         pass

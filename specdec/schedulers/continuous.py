@@ -26,8 +26,7 @@ from collections import deque
 
 from ..batch import LEFT_PADDED, Batch, DecodeContext, required_capacity
 from ..commit import commit
-from ..prefill import Budget, ChunkedPrefill, advance_chunked, store_finished, take_waiting
-from ..speculative import prefill
+from ..prefill import Budget, ChunkedPrefill, advance_chunked, prefill, store_finished, take_waiting
 
 
 class ContinuousScheduler:
@@ -129,7 +128,7 @@ class ContinuousScheduler:
             admitted = chunked is not None
             if chunked is not None:
                 self._place(chunked)
-            budget = Budget(ctx.options.prefill_chunk)
+            budget = Budget(ctx.options.scheduler.prefill_chunk)
             if self.batch is None:
                 if self.waiting and self._rows_free() > 0:  # the first batch is sized for every request known now
                     capacity = required_capacity(list(self.waiting), ctx.k_max)

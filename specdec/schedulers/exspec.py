@@ -26,8 +26,7 @@ import torch
 from ..batch import LEFT_PADDED, RAGGED, Batch, DecodeContext, required_capacity, row_params
 from ..commit import commit
 from ..options import positions_needed
-from ..prefill import Budget, ChunkedPrefill, advance_chunked, store_finished, take_waiting
-from ..speculative import prefill
+from ..prefill import Budget, ChunkedPrefill, advance_chunked, prefill, store_finished, take_waiting
 
 # Settings (EngineOptions): `realign_cost_ratio`, one row's realignment time over a step's fixed cost
 # (measured: docs/exspec.md), sets which groups are worth a step (`min_group_size`); `fold_shift` writes
@@ -253,7 +252,7 @@ class PoolScheduler:
         self.batch_size = batch_size
         self.waiting: deque = deque()
         self.pool: Pool | None = None
-        options = ctx.options
+        options = ctx.options.scheduler
         self.limit = pool_limit(options.window_size, batch_size, options.max_wait_steps)
         # folded into the gather, a mixed batch's realignment costs nothing extra
         self.realign_ratio = 0.0 if options.fold_shift else options.realign_cost_ratio
@@ -312,7 +311,7 @@ class PoolScheduler:
                 self.pool.load(free[: len(chunked)], chunked)
                 free = free[len(chunked):]
             free = free[: max(0, len(free) - self._reserved())]  # the chunked prefill's slots stay free for it
-            budget = Budget(ctx.options.prefill_chunk)
+            budget = Budget(ctx.options.scheduler.prefill_chunk)
             while free and self.waiting:
                 chunk = take_waiting(ctx, self.waiting, len(free), budget)
                 if not chunk:
@@ -332,9 +331,9 @@ class PoolScheduler:
             return None
         with self.ctx.timer.phase("other"):
             chosen, self.grouped = schedule(pool.target_lengths(live), [pool.waits[s] for s in live],
-                                            self.batch_size, self.ctx.options.max_wait_steps,
+                                            self.batch_size, self.ctx.options.scheduler.max_wait_steps,
                                             min_group_size(self.batch_size, len(live), self.realign_ratio))
-        return pool.gather([live[i] for i in chosen], self.grouped, self.ctx.options.fold_shift)
+        return pool.gather([live[i] for i in chosen], self.grouped, self.ctx.options.scheduler.fold_shift)
 
     def postprocess(self, batch: Batch) -> None:
         pool = self.pool

@@ -89,11 +89,14 @@ def main(argv=None) -> int:
             raise ValueError("--target has no tokenizer (tokenizer.model or tokenizer.json); the server needs one")
         if args.chat_template:
             set_chat_template(llm.tokenizer, args.chat_template)
-        print(f"specdec.serve: {apply_threads(args.threads, llm.target)}", file=sys.stderr, flush=True)
+        print(f"specdec.serve: {apply_threads(args.threads, llm.target, llm.startup, llm.specs[0])}", file=sys.stderr,
+              flush=True)
         engine = llm.engine()
         # one request per row, so auto k calibrates the full batch before the first client arrives
         warm_up(engine, llm.tokenizer.encode("def main():"), SamplingParams(max_tokens=4, temperature=0.0),
                 llm.batch_size)
+        if llm.startup.summary_line():
+            print(f"specdec.serve: {llm.startup.summary_line()}", file=sys.stderr, flush=True)
     except (ValueError, OSError) as e:
         close(sockets)
         print(f"specdec.serve: error: {e}", file=sys.stderr)

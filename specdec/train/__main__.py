@@ -11,7 +11,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from specdec.flags import Parser
+from specdec.flags import Parser, add_flag
 
 KINDS = {
     "small": "a small Llama model distilled from the target's greedy continuations (the default pair's recipe; "
@@ -63,16 +63,17 @@ def build_parser(kind: str | None = None) -> argparse.ArgumentParser:
                     "\n".join(f"  {k}: {v}" for k, v in KINDS.items()) + "\n\nSee docs/train.md.")
     p.add_argument("kind", choices=sorted(KINDS), help="the draft to train (see above)")
 
-    add = p.add_argument_group("both kinds").add_argument
-    add("--target", type=Path, help="the target: a checkpoint directory or a .gguf (small: a Llama directory with "
-                                    "tokenizer.model; with --train-target, where the trained target is saved)")
+    both = p.add_argument_group("both kinds")
+    add = both.add_argument
+    add_flag(both, "target", type=Path, help="the target: a checkpoint directory or a .gguf (small: a Llama directory "
+                                             "with tokenizer.model; with --train-target, where the trained target is "
+                                             "saved)")
     add("--out", type=Path, required=True, help="the draft directory to write (its files are replaced)")
     add("--data", type=Path, action="append", metavar="FILE.jsonl",
         help='your training data, one JSON object a line: {"prompt": ...} (the target answers it) or {"text": '
              '...}; repeatable. feature: added to the self-written data (--questions 0: yours only); small: '
              "replaces the stdlib corpus")
-    add("--device", help="cpu, cuda or cuda:N (default: cuda when a GPU is present, else cpu); on a GPU the "
-                         "training forwards run under bfloat16 autocast")
+    add_flag(both, "device")  # on a GPU the training forwards run under bfloat16 autocast
     add("--minutes", type=positive(float), help="training time budget; the step count is fitted to it "
                                                 "(default: small 12, feature 30). Making the data comes before "
                                                 "it, the evaluation after")
@@ -227,14 +228,12 @@ def check_args(parser, args, argv) -> None:
     args.plot = args.plot or work / "acceptance.png"
     if args.resume and not args.checkpoint.is_file():
         parser.error(f"--resume: no checkpoint at {args.checkpoint} (give --checkpoint FILE)")
-    import torch
+    from specdec.devices import resolve_device
 
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: no GPU is visible to torch here")
-    elif args.device.split(":")[0] not in ("cpu", "cuda"):
-        parser.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
+    try:
+        args.device = str(resolve_device(args.device, name="--device"))
+    except ValueError as e:
+        parser.error(str(e))
     if args.kind == "feature":
         if not 0 < args.vocab_coverage <= 1:
             parser.error(f"--vocab-coverage must be in (0, 1], got {args.vocab_coverage}")
