@@ -20,7 +20,8 @@ from collections import Counter
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", default="eqspec", choices=("ar", "eqspec", "exspec", "ragged"), help="the strategy")
     p.add_argument("-k", type=int, default=3, help="drafts per step (fixed)")
     p.add_argument("--rows", type=int, default=2, help="requests decoding together")
@@ -66,9 +67,9 @@ def main(argv=None) -> None:
     for f, n in calls.items():
         print(f"{n:5d}  {f}")
     files = {f.split(":")[0] for f in named}
+    inner = sum(calls.values()) - sum(named.values())  # calls of comprehensions
     print(f"\n{args.method}, k = {args.k}, {args.rows} rows: {len(named)} functions, {sum(named.values())} calls, "
-          f"{len(files)} files (+ {len(calls) - len(named)} comprehensions, {sum(calls.values()) - sum(named.values())} "
-          f"calls)")
+          f"{len(files)} files (+ {len(calls) - len(named)} comprehensions, {inner} calls)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"method": args.method, "k": args.k, "rows": args.rows, "calls": dict(calls)}, f, indent=1)

@@ -51,7 +51,8 @@ def choose_backend(tensor: torch.Tensor, backend: str | None = None) -> str:
                                      f"kernels (kernel_backend / --kernel-backend torch or auto)")
         if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise KernelBackendError(f"{source}: the Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 to run "
-                                     f"on the CPU (slowly); or use the torch kernels (kernel_backend / --kernel-backend torch or auto)")
+                                     f"on the CPU (slowly); or use the torch kernels (kernel_backend / --kernel-backend "
+                                     f"torch or auto)")
     return choice
 
 

@@ -84,7 +84,7 @@ class LLM:
         self.options = Options.build(options, **kwargs)  # every option checked here, once
         load, spec, sched = self.options.load, self.options.speculation, self.options.scheduler
         speculative = spec.speculative
-        self.device = engine_device(load.device, target)  # "auto": CUDA when available (or the model object's), else CPU
+        self.device = engine_device(load.device, target)  # "auto": CUDA when available (or the model object's)
         free = None if sched.prefix_cache_gb is None else available_bytes(self.device)
         if free is not None and budget_bytes(sched.prefix_cache_gb) > HEADROOM * free:
             raise ValueError(f"prefix_cache_gb (--prefix-cache-gb) {sched.prefix_cache_gb:g} GiB is more than the "

@@ -65,7 +65,8 @@ def test_the_options_name_the_runtimes_lookups_formats_and_backends():
     assert options.LOOKUPS == proposers.LOOKUPS
     assert set(options.QUANTIZE) == set(quant.FORMATS)
     assert set(options.KERNEL_BACKENDS) == set(dispatch.BACKENDS)
-    assert set(options.METHODS) == set(schedulers.SCHEDULERS) and set(options.SPECULATIVE) == set(schedulers.SPECULATIVE)
+    assert set(options.METHODS) == set(schedulers.SCHEDULERS)
+    assert set(options.SPECULATIVE) == set(schedulers.SPECULATIVE)
 
 
 def test_run_parser_passes_every_engine_flag():

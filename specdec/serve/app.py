@@ -21,8 +21,9 @@ log = logging.getLogger("specdec.serve")
 def build_app(llm, engine, model_name: str, max_waiting: int) -> FastAPI:
     """The server of `engine` (an Engine on `llm`), answering to the model name `model_name`."""
     worker = EngineWorker(engine, max_waiting)
-    metrics = ServerMetrics(worker, llm.options.speculation.k_max)
-    return app_serving(Routes(worker, metrics, llm.tokenizer, model_name, llm.max_context, llm.options.speculation.k_max))
+    k_max = llm.options.speculation.k_max
+    metrics = ServerMetrics(worker, k_max)
+    return app_serving(Routes(worker, metrics, llm.tokenizer, model_name, llm.max_context, k_max))
 
 
 def app_serving(routes: Routes) -> FastAPI:
