@@ -62,10 +62,12 @@ class QuantizationError(ValueError):
 
 
 def check_format(fmt) -> str | None:
-    if fmt in (None, "none"):
-        return None
-    if fmt not in FORMATS:
-        raise ValueError(f"quantize must be one of {FORMATS} or None, got {fmt!r}")
+    """`load_model(quantize=...)` checked by the `quantize` option's own rule (specdec/options.py: one rule,
+    whether the value comes through `LLM` or straight to the loader); "none" is None."""
+    from specdec.options import check_value, option_field
+
+    fmt = None if fmt == "none" else fmt
+    check_value(option_field("quantize"), fmt)
     return fmt
 
 
