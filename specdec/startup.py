@@ -216,6 +216,12 @@ class StartupMeasurement:
         and the seconds they took (of them, the cached ones'); "" when nothing was measured."""
         if not self.records:
             return ""
-        found = "; ".join(r.result + (" (cached)" if r.cached else "") for r in self.records)
+        said, seen = [], set()  # each finding once: one read back later in the run (its key again) is not repeated
+        for r in self.records:
+            ident = r.key if r.key is not None else r.result
+            if ident not in seen:
+                seen.add(ident)
+                said.append(r.result + (" (cached)" if r.cached else ""))
+        found = "; ".join(said)
         cached = sum(r.seconds for r in self.records if r.cached)
         return f"start-up measurement: {found}; {self.seconds:.2f} s (cached: {cached:.2f} s)"

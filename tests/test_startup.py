@@ -197,6 +197,8 @@ def test_the_summary_line_says_what_was_measured_and_how_long_it_took(tmp_path, 
     line = cached.summary_line()
     assert line.count(" (cached)") == 3 and "threads 2 (1: " in line, line
     assert re.search(r"; ([\d.]+) s \(cached: \1 s\)$", line), line  # every part was read from the cache
+    measure_all(measured, StubModel(), StubModel(), specs, monkeypatch)  # the same measurements, read back later
+    assert measured.summary_line().count("auto-k costs at B=2") == 1  # each finding said once
 
 
 def test_measure_reads_checks_runs_and_stores(tmp_path):
