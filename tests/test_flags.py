@@ -172,3 +172,18 @@ def test_the_runtime_reads_no_specdec_environment_variable():
              for path in sorted((root / folder).rglob("*.py"))
              for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if "SPECDEC_" in line]
     assert not named, f"the runtime names SPECDEC_* variables: {named}"
+
+
+def test_help_gives_a_default_once():
+    """Issue 51: 15 `--help` entries ended in '(default: None)', some after a sentence giving the default. A flag
+    whose text says its default, or whose default is None or False, gets no '(default: ...)' suffix; the others
+    get theirs."""
+    from specdec.flags import HelpFormatter, Parser
+
+    parser = Parser(prog="x", formatter_class=HelpFormatter)
+    add_engine_arguments(parser)
+    formatter = parser._get_formatter()
+    for action in parser._actions[1:]:
+        text = formatter._get_help_string(action)
+        says = action.default in (None, False) or "default" in (action.help or "").lower()
+        assert text.endswith("(default: %(default)s)") != says, action.dest
