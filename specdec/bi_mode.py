@@ -92,12 +92,11 @@ def triton_version() -> str:
 
 
 def choose(setting, target, draft, device, speculative: bool, batch_size: int, k, k_max: int, compile: bool,
-           target_spec=None, cache_path: str | None = None, measure: Callable | None = None,
-           measurement: StartupMeasurement | None = None) -> Choice:
+           target_spec=None, measurement: StartupMeasurement | None = None, measure: Callable | None = None) -> Choice:
     """Resolve `setting` (True, False, "auto") for a run; see the module docstring. `measurement`: the start-up
-    measurement that times and caches (None: one of this call's own, on the cache file `cache_path`: None =
-    the default file, "" = none). `measure(model, rows, lengths, measurement)` -> {T: (on_s, off_s)}
-    (default `measure_cost`; injectable: tests)."""
+    measurement that times and caches (None: one of this call's own, on the default cache file).
+    `measure(model, rows, lengths, measurement)` -> {T: (on_s, off_s)} (default `measure_cost`; injectable:
+    tests)."""
     if setting is not AUTO:  # True or False (the option's rule checked it: specdec/options.py)
         return Choice(setting, setting, "asked")
     models = [m for m in (target, draft) if m is not None]
@@ -113,7 +112,7 @@ def choose(setting, target, draft, device, speculative: bool, batch_size: int, k
         return Choice(False, setting, "the target is in the mode already (a quantized model)")
     lengths = sorted({1, (k if isinstance(k, int) else k_max) + 1})
     shape = f"B={batch_size}, T={'/'.join(map(str, lengths))}"
-    measurement = measurement if measurement is not None else StartupMeasurement(cache_path)
+    measurement = measurement if measurement is not None else StartupMeasurement()
     target_id = model_identity(target, target_spec)
     key = cache_key("batch-invariant", [target_id], getattr(target, "dtype", None), device,
                     f"triton={triton_version()}", f"B={batch_size}", f"T={','.join(map(str, lengths))}",

@@ -105,12 +105,7 @@ def option_type(f):
             return AUTO
         try:
             value = int(text) if meta["kind"] == "int" else float(text)
-        except ValueError:
-            value = None
-        try:
-            if value is None:
-                raise ValueError
-            check_value(f, value)
+            check_value(f, value)  # not a number, or outside the rule: the same words
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {describe(meta)}, got {text!r}") from None
         return value

@@ -85,12 +85,13 @@ class LLM:
         load, spec, sched = self.options.load, self.options.speculation, self.options.scheduler
         speculative = spec.speculative
         self.device = engine_device(load.device, target)  # "auto": CUDA when available (or the model object's)
-        free = None if sched.prefix_cache_gb is None else available_bytes(self.device)
-        if free is not None and budget_bytes(sched.prefix_cache_gb) > HEADROOM * free:
+        budget = None if sched.prefix_cache_gb is None else budget_bytes(sched.prefix_cache_gb)
+        free = None if budget is None else available_bytes(self.device)
+        if free is not None and budget > HEADROOM * free:
             raise ValueError(f"prefix_cache_gb (--prefix-cache-gb) {sched.prefix_cache_gb:g} GiB is more than the "
                              f"{HEADROOM * free / GIB:.1f} GiB that can be used on {self.device}")
         # the K/V of prefixes seen before, shared by every Engine (and server request) of this LLM
-        self.prefix_cache = None if sched.prefix_cache_gb is None else PrefixCache(budget_bytes(sched.prefix_cache_gb))
+        self.prefix_cache = None if budget is None else PrefixCache(budget)
         if target is None:  # the embedded default pair, as the command line runs it without --target
             if draft is not None:
                 raise ValueError("draft= needs target= (or give neither: the embedded default pair)")

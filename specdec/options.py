@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 AUTO = "auto"
 METHODS = ("ar", "eqspec", "exspec", "ragged")
@@ -17,6 +17,7 @@ LOOKUPS = ("ngram", "suffix")  # specdec.proposers.LOOKUPS (held equal likewise)
 QUANTIZE = ("int8", "int4")  # specdec.models.quant.FORMATS (held equal likewise)
 KERNEL_BACKENDS = ("auto", "triton", "torch")  # specdec.kernels.dispatch.BACKENDS (held equal likewise)
 DTYPES = ("float64", "float32", "bfloat16", "float16")
+GIB = 1 << 30  # the prefix cache's budget unit (prefix_cache_gb)
 
 
 def positions_needed(prompt_tokens: int, max_tokens: int, k_max: int) -> int:
@@ -227,7 +228,7 @@ class SchedulerOptions(Checked):
                                            "one (the next turn of a chat) prefills only the rest (default: off; "
                                            "docs/serve.md)", "float", optional=True, metavar="GIB",
                                            rule="a number of GiB > 0 (leave it unset for no prefix cache)",
-                                           valid=lambda gb: 0 < gb < math.inf and int(gb * (1 << 30)) >= 1)
+                                           valid=lambda gb: 0 < gb < math.inf and int(gb * GIB) >= 1)
     prefill_chunk: int | None = option(None, "prefill a prompt of more (uncached) tokens than this in chunks of this "
                                        "many, one per engine step, while the running requests keep decoding "
                                        "(default: at once)", "int", least=1, optional=True, metavar="TOKENS")
@@ -275,17 +276,10 @@ class Options:
                 hint = f"; did you mean {close[0]!r}?" if close else " (docs/api.md lists the options)"
                 raise TypeError(f"unknown option {name!r}{hint}")
             routed[names[name]][name] = value
-        groups = {group: _replace(getattr(base, group), values) for group, values in routed.items()}
+        groups = {group: replace(getattr(base, group), **values) for group, values in routed.items()}
         return cls(**groups)
 
     def as_kwargs(self) -> dict:
         """Every option by name (what `Options.build` takes)."""
         return {f.name: getattr(getattr(self, group), f.name) for group, c in GROUPS.items() for f in fields(c)}
 
-
-def _replace(group, values: dict):
-    if not values:
-        return group
-    current = {f.name: getattr(group, f.name) for f in fields(group)}
-    current.update(values)
-    return type(group)(**current)

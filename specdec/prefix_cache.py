@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-GIB = 1 << 30
+from .options import GIB  # the budget's unit, declared with the option (re-exported)
 
 
 def budget_bytes(gb: float) -> int:

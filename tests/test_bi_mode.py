@@ -41,7 +41,7 @@ def test_auto_on_cuda_decides_by_the_measured_cost(llama_pair, tmp_path):
     target = load_model(llama_pair[0])
     draft = load_model(llama_pair[1])
     kw = dict(device=torch.device("cuda"), speculative=True, batch_size=8, k=5, k_max=8, compile=False,
-              cache_path="")
+              measurement=StartupMeasurement(""))
     calls = []
     cheap = bi_mode.choose("auto", target, draft, measure=fake_measure({1: 1.05, 6: 1.15}, calls), **kw)
     assert cheap.on and cheap.cost == pytest.approx(1.15) and calls == [(8, (1, 6))]
@@ -69,7 +69,7 @@ def test_auto_caches_the_measurement_per_checkpoint_and_batch(llama_pair, tmp_pa
     with open(path, "w") as f:
         json.dump({"v2/other": {"target": {"1": 1.0}, "draft": {}}}, f)  # auto k's entries are kept
     kw = dict(device=torch.device("cuda"), speculative=True, k=3, k_max=8, compile=False, target_spec=llama_pair[0],
-              cache_path=path)
+              measurement=StartupMeasurement(path))
     calls = []
     first = bi_mode.choose("auto", target, None, batch_size=4, measure=fake_measure({4: 1.1}, calls), **kw)
     again = bi_mode.choose("auto", target, None, batch_size=4, measure=never, **kw)
