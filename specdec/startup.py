@@ -119,26 +119,26 @@ def within_factor(measured: float, expected: float, factor: float = SPOT_CHECK_F
 
 
 # ------------------------------------------------------------------------------------------------- file
-def read_entry(path: str, key: str):
-    """The JSON value at `key` in the cache file, or None (no file, no entry, not JSON)."""
+def read_entries(path: str) -> dict:
+    """Every entry of the cache file ({} without a file, or for one that is not a JSON object)."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, ValueError):
-        return None
-    return data.get(key) if isinstance(data, dict) else None
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def read_entry(path: str, key: str):
+    """The JSON value at `key` in the cache file, or None (no file, no entry, not JSON)."""
+    return read_entries(path).get(key)
 
 
 def write_entry(path: str, key: str, value) -> None:
     """Best effort (a read-only home must not stop a run): merge the entry into the JSON file atomically."""
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            data = data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            data = {}
+        data = read_entries(path)
         data[key] = value
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
