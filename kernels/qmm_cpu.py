@@ -37,11 +37,27 @@ def _library():
         lib = ctypes.CDLL(str(found[0]))
     except OSError as err:
         return None, f"the CPU quantized kernel {found[0].name} does not load ({err})"
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.specdec_qmm.argtypes = [ctypes.c_int, ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64,
-                                i64]
-    lib.specdec_qmm.restype = ctypes.c_int
-    lib.specdec_qmm_isa.restype = ctypes.c_int
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    try:
+        lib.specdec_qmm.argtypes = [c_int, c_int, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, c_int]
+        lib.specdec_qmm.restype = c_int
+        lib.specdec_qmm_isa.restype = c_int
+        # the native forward (kernels/cpu/forward.cpp; kernels/forward_cpu.py)
+        lib.specdec_model_new.argtypes = [ptr, ctypes.c_float]
+        lib.specdec_model_new.restype = ptr
+        lib.specdec_model_free.argtypes = [ptr]
+        lib.specdec_model_free.restype = None
+        lib.specdec_model_add_part.argtypes = [ptr, i64, c_int, c_int, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
+        lib.specdec_model_add_part.restype = c_int
+        lib.specdec_model_set_vector.argtypes = [ptr, i64, c_int, ptr]
+        lib.specdec_model_set_vector.restype = c_int
+        lib.specdec_model_check.argtypes = [ptr]
+        lib.specdec_model_check.restype = c_int
+        lib.specdec_model_forward.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, c_int, ptr, ptr, i64, ptr, ptr, i64,
+                                              c_int, ptr, c_int, ptr, c_int, c_int]
+        lib.specdec_model_forward.restype = c_int
+    except AttributeError as err:  # a kernel built from older sources
+        return None, f"the CPU quantized kernel {found[0].name} is out of date ({err}); `pip install -e .` rebuilds it"
     return lib, None
 
 
@@ -105,7 +121,7 @@ def qmm(x: torch.Tensor, packed, isa: str | None = None, out: torch.Tensor | Non
     y = torch.empty(M, packed.n, dtype=torch.float32) if out is None else out  # [M, n]
     isa_id = -1 if isa is None else ISAS.index(isa)
     code = lib.specdec_qmm(weight.type_id, isa_id, x2.data_ptr(), M, K, x2.stride(0), *weight.pointers, y.data_ptr(),
-                           y.stride(0), packed.n)
+                           y.stride(0), packed.n, torch.get_num_threads())
     if code == 2:
         raise RuntimeError(f"qmm: this host cannot run instruction set {isa!r} (it runs {host_isa()!r})")
     if code != 0:

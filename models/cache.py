@@ -104,6 +104,19 @@ class KVCache:
         change from step to step, for compiled forwards) instead of the columns in use. `mask` False: no
         mask (the forward knows when attention needs none)."""
         B = self.batch_size
+        host_new, width = self.step_rows(T, num_new)
+        device = self._start.device
+        new = (torch.full((B,), T, dtype=torch.int64, device=device) if num_new is None
+               else torch.tensor(host_new, dtype=torch.int64, device=device))  # [B]
+        plan = step_plan(self._start, self._length, T, new, self.left_padded,
+                         width=self.capacity if full_width else width, backend=self.backend, mask=mask)
+        plan.host_num_new = host_new
+        return plan
+
+    def step_rows(self, T: int, num_new=None) -> tuple[list[int], int]:
+        """(real new tokens per row as a host list, the columns the step spans): a step of T new tokens per row
+        (`num_new[i]` real ones, default T) checked against the layout and the capacity."""
+        B = self.batch_size
         host_new = [T] * B if num_new is None else _as_host(num_new)
         if len(host_new) != B:
             raise ValueError(f"num_new has {len(host_new)} entries for a batch of {B}")
@@ -114,17 +127,17 @@ class KVCache:
         width = max(ends, default=0)
         if width > self.capacity:
             raise ValueError(f"KV cache overflow: step needs {width} columns, capacity is {self.capacity}")
-        device = self._start.device
-        new = (torch.full((B,), T, dtype=torch.int64, device=device) if num_new is None
-               else torch.tensor(host_new, dtype=torch.int64, device=device))  # [B]
-        plan = step_plan(self._start, self._length, T, new, self.left_padded,
-                         width=self.capacity if full_width else width, backend=self.backend, mask=mask)
-        plan.host_num_new = host_new
-        return plan
+        return host_new, width
 
     def advance(self, plan: StepPlan) -> None:
-        self._length = self._length + plan.num_new
-        self.host_length = [n + m for n, m in zip(self.host_length, plan.host_num_new)]
+        self.advance_host(plan.host_num_new, plan.num_new)
+
+    def advance_host(self, host_new: list[int], num_new: torch.Tensor | None = None) -> None:
+        """Every row i cached host_new[i] more tokens (`num_new`: the same on the device, when the caller has it)."""
+        if num_new is None:
+            num_new = torch.tensor(host_new, dtype=torch.int64, device=self._length.device)  # [B]
+        self._length = self._length + num_new
+        self.host_length = [n + m for n, m in zip(self.host_length, host_new)]
 
     def advance_rows(self, T: int) -> None:
         """Every row cached T more tokens (a step planned on the device: models/graphs.py)."""

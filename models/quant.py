@@ -55,6 +55,7 @@ SCALE_DTYPE = torch.bfloat16  # the GPU layout's scales and zeros
 # --quantize on the CPU: float weights quantized the llama.cpp way into one of the kernel's block types
 REQUANTIZED_AS = {"int4": "Q4_1", "int8": "Q8_0"}
 AS_STORED = "gguf"  # a GGUF's quantized tensors, loaded as the file holds them (models/gguf.py)
+PACKED_FIELDS = ("codes", "da", "db", "sa", "sb")  # a Packed's tensors, in its order (models/ggml_blocks.py)
 
 
 class QuantizationError(ValueError):
@@ -167,12 +168,18 @@ class BlockLinear(nn.Module):
                 raise ValueError(f"BlockLinear: part {i} starts at row {row} with {p.k} columns; expected row "
                                  f"{first} and {self.in_features}")
             first += p.n
-            for field in ("codes", "da", "db", "sa", "sb"):
+            for field in PACKED_FIELDS:
                 if getattr(p, field) is not None:
                     self.register_buffer(f"part{i}_{field}", getattr(p, field), persistent=False)
+        self.part_shapes = [(row, p.qtype, p.n) for row, p in parts]  # the parts' tensors are the buffers
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.weights = [(row, qmm_cpu.Weight(p)) for row, p in parts]  # each part with the kernel's arguments
         self.float_weight = None  # the fallback's float32 copy (kernel not built)
+        self._bind()
+
+    def _bind(self) -> None:
+        """The kernel's view of each part (`qmm_cpu.Weight`), from the buffers as they are now: again whenever
+        they may have been replaced (`.to()`, a copy), so that the kernel never reads another module's memory."""
+        self.weights = [(row, qmm_cpu.Weight(p)) for row, p in self.parts]  # each part with the kernel's arguments
         # x [M, K] -> float32 [M, N], chosen once for this host and these parts
         if not qmm_cpu.available():
             self.multiply = self.multiply_float_copy
@@ -181,9 +188,21 @@ class BlockLinear(nn.Module):
         else:
             self.multiply = self.multiply_parts
 
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._bind()
+        return self
+
+    def __setstate__(self, state):  # copy.deepcopy and pickle: the copy's own buffers
+        super().__setstate__(state)
+        self._bind()
+
     @property
     def parts(self) -> list[tuple[int, Packed]]:
-        return [(row, w.packed) for row, w in self.weights]
+        """(first row, Packed) of each part, over the module's buffers as they are now."""
+        return [(row, Packed(qtype, n, self.in_features,
+                             *(self._buffers.get(f"part{i}_{field}") for field in PACKED_FIELDS)))
+                for i, (row, qtype, n) in enumerate(self.part_shapes)]
 
     def extra_repr(self) -> str:
         types = "+".join(p.qtype for _, p in self.parts)

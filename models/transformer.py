@@ -25,7 +25,7 @@ from torch import nn
 
 from specdec.kernels.kv_append import kv_append, write_constants, write_index
 
-from . import numerics
+from . import native, numerics
 from .cache import RAGGED, KVCache
 from .config import ModelConfig
 
@@ -291,6 +291,9 @@ class Transformer(nn.Module):
         self.attention_kind = ORDINARY_ATTENTION  # `choose_kernels`'
         self.head_kernel = None  # (h, backend) -> logits: `choose_kernels`'
         self._run_step = self._eager_step  # `_choose_step`'
+        self._native_forward = True  # `native_forward`
+        self.native = None  # the C++ model of models/native.py, where the model qualifies (`choose_kernels`)
+        self.native_reason = None  # why not, in one line
         Transformer.choose_kernels(self)  # the parts built here (a subclass chooses again once it has built its own)
 
     def choose_kernels(self) -> None:
@@ -309,11 +312,28 @@ class Transformer(nn.Module):
             self.attention_kind = InvariantAttention(self._bi_workspace)
         else:
             self.attention_kind = ORDINARY_ATTENTION
+        self._bind_native()
+
+    def _bind_native(self) -> None:
+        """Bind the native CPU forward (models/native.py) over the weights as they are now, where the model
+        qualifies and `native_forward` is on; else say why not (`native_reason`)."""
+        self.native = None
+        if not self._native_forward:
+            self.native_reason = "turned off (native_forward = False)"
+        elif type(self).embed is not Transformer.embed:
+            self.native_reason = f"{type(self).__name__} mixes other inputs into its embedding"
+        else:
+            self.native_reason = native.why_not(self)
+        if self.native_reason is None:
+            self.native = native.bind(self)
+        self._choose_step()
 
     def _choose_step(self) -> None:
         """The step's path: CUDA graphs (`use_graphs`; not with a compiled forward), the compiled forward (not in
         batch-invariant mode: inductor picks its own kernels), or eager."""
-        if self._graph_runner is not None and self._compiled_forward is None:
+        if self.native is not None:
+            self._run_step = self._native_step
+        elif self._graph_runner is not None and self._compiled_forward is None:
             self._run_step = self._graphed_step
         elif self._compiled_forward is not None and not self._batch_invariant:
             self._run_step = self._compiled_step
@@ -325,6 +345,16 @@ class Transformer(nn.Module):
         super()._apply(fn, recurse)
         self.choose_kernels()
         return self
+
+    def __getstate__(self):  # copy.deepcopy and pickle: the C++ model points into this model's tensors
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        state["native"], state["_run_step"] = None, None
+        return state
+
+    def __setstate__(self, state):  # ... and is bound again over the copy's
+        super().__setstate__(state)
+        self.choose_kernels()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """nn.Module's; the kernels are chosen again (`assign` may bring another dtype or device)."""
@@ -380,6 +410,18 @@ class Transformer(nn.Module):
         self.choose_kernels()
         if not on and not self.batch_invariant:
             numerics.drop_packed_weights(self)
+
+    @property
+    def native_forward(self) -> bool:
+        """Run each step as one native C++ call (models/native.py) where the model qualifies: quantized blocks on
+        the CPU (`native` is then the C++ model; `native_reason` says why not, where it is None). On by default;
+        False runs the torch modules' forward."""
+        return self._native_forward
+
+    @native_forward.setter
+    def native_forward(self, on: bool) -> None:
+        self._native_forward = bool(on)
+        self._bind_native()
 
     @property
     def vocab_size(self) -> int:
@@ -506,6 +548,19 @@ class Transformer(nn.Module):
                                    logits == "last", cache.backend, features, hidden, causal, tables)
         cache.advance(plan)
         return out
+
+    def _native_step(self, input_ids, cache: KVCache, num_new, logits: str, features, hidden):
+        """`forward` as one native call (models/native.py): the embedding, every layer, the final norm and the head;
+        positions, write columns and each row's keys derived in C++ from the cache's rows (kernels/positions.py's
+        rules)."""
+        if features is not None:
+            self.embed(input_ids, features)  # a plain transformer takes none: its error
+        T = input_ids.shape[1]
+        host_new, _ = cache.step_rows(T, num_new)
+        out = self.native.forward(input_ids, cache.host_start, cache.host_length, host_new, cache.left_padded,
+                                  cache.kv, self.rope_table(cache.capacity), logits, hidden)
+        cache.advance_host(host_new)
+        return out if hidden else out[0]
 
     def _compiled_step(self, input_ids, cache: KVCache, num_new, logits: str, features, hidden):
         """`forward` through the compiled forward (`compile_forward`): one graph for every step (scatter writes

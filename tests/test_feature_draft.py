@@ -139,6 +139,9 @@ def test_built_through_the_transformer_constructor(models, monkeypatch):
 
     for name in own - {"cfg"}:
         assert name in vars(draft), f"FeatureDraft lacks Transformer's {name}"
+        if name == "native_reason":  # describes the model (a draft on the CPU, the plain model on meta)
+            assert vars(draft)[name] and vars(plain)[name]
+            continue
         assert chosen(vars(draft)[name]) == chosen(vars(plain)[name]), name
     assert list(dict(draft.named_children())) == ["fc", "layers", "lm_head"]
     assert draft.embed_tokens is target.embed_tokens and draft.norm is target.norm

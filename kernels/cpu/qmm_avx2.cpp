@@ -2,7 +2,11 @@
 // Products by vpmaddubsw (u8 codes x s8 activations, pairs summed in int16: exact for codes <= 63) and
 // vpmaddwd (pairs into int32); 8-bit codes are multiplied as their two nibbles (16 hi + lo), which keeps
 // every int16 pair sum exact.
-#include "qmm_common.h"
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "forward.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC push_options
@@ -136,10 +140,17 @@ void tiles(const Args& a, int64_t t0, int64_t t1) {
 
 bool qmm_avx2(int type, const Args& a, int64_t t0, int64_t t1) { QMM_DISPATCH_TYPES(tiles, type, a, t0, t1) }
 
+namespace avx2_ops {
+#include "forward_ops.h"
+}  // namespace avx2_ops
+
+const Ops& ops_avx2() { return avx2_ops::OPS; }
+
 }  // namespace qmm
 #pragma GCC pop_options
 #else
 namespace qmm {
 bool qmm_avx2(int, const Args&, int64_t, int64_t) { return false; }
+const Ops& ops_avx2() { return ops_scalar(); }
 }  // namespace qmm
 #endif

@@ -1,7 +1,11 @@
 // The AVX-512 VNNI variant of qmm_common.h's matmul: 16 output rows of W (a tile) in one zmm, the codes of
 // a 32-column group unpacked once into 8 chunk vectors (4 columns x 16 rows of bytes each) and multiplied
 // by every row of x in the call (vpdpbusd: u8 codes x s8 activations, 4 products a lane, int32 sums).
-#include "qmm_common.h"
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "forward.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC push_options
@@ -136,10 +140,17 @@ void tiles(const Args& a, int64_t t0, int64_t t1) {
 
 bool qmm_avx512(int type, const Args& a, int64_t t0, int64_t t1) { QMM_DISPATCH_TYPES(tiles, type, a, t0, t1) }
 
+namespace avx512_ops {
+#include "forward_ops.h"
+}  // namespace avx512_ops
+
+const Ops& ops_avx512() { return avx512_ops::OPS; }
+
 }  // namespace qmm
 #pragma GCC pop_options
 #else
 namespace qmm {
 bool qmm_avx512(int, const Args&, int64_t, int64_t) { return false; }
+const Ops& ops_avx512() { return ops_scalar(); }
 }  // namespace qmm
 #endif
