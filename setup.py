@@ -14,7 +14,7 @@ from setuptools import Extension, setup
 QMM = Extension(
     "specdec.kernels._qmm",
     sources=["kernels/cpu/qmm.cpp", "kernels/cpu/qmm_avx2.cpp", "kernels/cpu/qmm_avx512.cpp", "kernels/cpu/forward.cpp"],
-    depends=["kernels/cpu/qmm_common.h", "kernels/cpu/forward.h", "kernels/cpu/forward_ops.h"],
+    depends=["kernels/cpu/qmm_common.h", "kernels/cpu/forward.h", "kernels/cpu/forward_ops.h", "kernels/cpu/simd16.h"],
     # -ffp-contract=off: no product is fused into a sum unless the code says so (an explicit fmaf), so that every
     # instruction-set variant performs the same float operations (kernels/cpu/forward_ops.h)
     extra_compile_args=["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"],

@@ -84,25 +84,25 @@ void run_tiles(int isa, int type, const Args& a, int64_t t0, int64_t t1) {
   if (!done) qmm_scalar(type, a, t0, t1);
 }
 
-// rows [lo, hi) of x [M, K] (row stride ldx): quantized once into the workspace (xq, dx, sx16: forward_ops.h's
-// quantize_row), then every part's bias terms from them (dx * float(sum over a group) with HAS_B, else OFF * sum:
-// qmm_common.h's Args), laid out [M, K / G] per part
+// rows [lo, hi) of x [., K] (row stride ldx): quantized once into the workspace's M row slots (xq, dx group-major;
+// forward_ops.h's quantize_row), then every part's bias terms from them (dx * float(sum over a group) with HAS_B,
+// else OFF * sum: qmm_common.h's Args), laid out [K / G, M] per part
 void quantize_rows(const Ops& ops, Workspace& w, int64_t M, const float* x, int64_t ldx, const Linear& lin,
                    int64_t lo, int64_t hi) {
-  const int64_t K = lin.K, nkb = K / 32, n16 = K / 16;
+  const int64_t K = lin.K, n16 = K / 16;
   for (int64_t m = lo; m < hi; ++m) {
-    const int32_t* s16 = w.sx16.data() + m * n16;
-    const float* d = w.dx.data() + m * nkb;
-    ops.quantize_row(x + m * ldx, K, w.xq.data() + m * K, w.dx.data() + m * nkb, w.sx16.data() + m * n16);
+    int32_t* s16 = w.sx16.data() + m * n16;
+    const float* d = w.dx.data() + m;  // block b's scale at d[b M]
+    ops.quantize_row(x + m * ldx, K, w.xq.data() + m * 32, M * 32, w.dx.data() + m, M, s16);
     for (size_t pi = 0; pi < lin.parts.size(); ++pi) {
       const TypeInfo& ti = TYPES[lin.parts[pi].type];
       const int64_t ng = K / ti.group;
-      float* f = w.terms_f.data() + pi * M * n16 + m * ng;
-      int32_t* o = w.terms_i.data() + pi * M * n16 + m * ng;
+      float* f = w.terms_f.data() + pi * M * n16 + m;  // group g's at [g M]
+      int32_t* o = w.terms_i.data() + pi * M * n16 + m;
       for (int64_t g = 0; g < ng; ++g) {
         const int32_t sx = ti.group == 32 ? s16[2 * g] + s16[2 * g + 1] : s16[g];
-        if (ti.has_b) f[g] = d[g * ti.group / 32] * (float)sx;
-        else o[g] = ti.off * sx;
+        if (ti.has_b) f[g * M] = d[(g * ti.group / 32) * M] * (float)sx;
+        else o[g * M] = ti.off * sx;
       }
     }
   }
@@ -126,7 +126,7 @@ void matmul(int isa, Workspace& w, int64_t M, const Linear& lin, int64_t rows, f
     at = end;
     if (t0 >= t1) continue;
     const Args a{w.xq.data(), w.dx.data(), w.terms_f.data() + pi * M * n16, w.terms_i.data() + pi * M * n16,
-                 rows, K, p.tiles, p.codes, p.da, p.db, p.sa, p.sb, y + p.row0, ldy, p.n};
+                 rows, K, p.tiles, M, p.codes, p.da, p.db, p.sa, p.sb, y + p.row0, ldy, p.n};
     run_tiles(isa, p.type, a, t0, t1);
   }
 }

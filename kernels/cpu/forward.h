@@ -13,7 +13,7 @@ struct Ops {
   float (*dot)(const float*, const float*, int64_t);
   void (*rms_norm)(const float* x, const float* w, int64_t n, float eps, float* y);
   void (*silu_mul)(const float* gate, const float* up, int64_t n, float* y);
-  void (*quantize_row)(const float* x, int64_t K, int8_t* xq, float* dx, int32_t* sx16);
+  void (*quantize_row)(const float* x, int64_t K, int8_t* xq, int64_t xs, float* dx, int64_t ds, int32_t* sx16);
   void (*rope)(float* x, const float* cos, const float* sin, int64_t R, bool interleaved);
   void (*attend)(const float* q, int64_t qs, int G, const float* k, const float* v, int64_t ks, int64_t first,
                  int64_t last, int64_t D, float* out, int64_t os, float* scratch);
@@ -52,11 +52,12 @@ struct Layer {
 // what a forward needs room for, sized by the largest call so far (no allocation once the sizes have been seen)
 struct Workspace {
   std::vector<float> h, x, qkv, attn, y, gu, act;  // [M, E], [M, E], [M, (H + 2 H_kv) D], [M, H D], [M, max], ...
-  std::vector<int8_t> xq;                            // [M, max K]
-  std::vector<float> dx;                             // [M, max K / 32]
+  // the quantized rows, group-major (qmm_common.h's Args): M row slots
+  std::vector<int8_t> xq;                            // [max K / 32, M, 32]
+  std::vector<float> dx;                             // [max K / 32, M]
   std::vector<int32_t> sx16;                         // [M, max K / 16]
-  std::vector<float> terms_f;                        // per part: [M, K / G] dx * float(sx)  (HAS_B)
-  std::vector<int32_t> terms_i;                      // per part: [M, K / G] OFF * sx          (otherwise)
+  std::vector<float> terms_f;                        // per part: [K / G, M] dx * float(sx)  (HAS_B)
+  std::vector<int32_t> terms_i;                      // per part: [K / G, M] OFF * sx          (otherwise)
   std::vector<int64_t> pos, col;                     // [M]
   std::vector<float> scratch;                        // [threads, CHUNK + D]
 };

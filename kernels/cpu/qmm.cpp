@@ -34,8 +34,8 @@ void qmm_scalar(int type, const Args& a, int64_t t0, int64_t t1) {
         const int64_t s = kb * 32 / ti.superblock;
         for (int h = 0; h < gpk; ++h) {
           const int64_t g = kb * gpk + h;
-          const float d = a.dx[m * nkb + kb];
-          const int8_t* xr = a.xq + m * K + kb * 32 + h * ti.group;
+          const float d = a.dx[kb * a.Q + m];
+          const int8_t* xr = a.xq + (kb * a.Q + m) * 32 + h * ti.group;
           for (int i = 0; i < 16; ++i) {
             float av = half_to_float(a.da[(t * nsb + s) * 16 + i]);
             float bv = ti.has_b ? half_to_float(a.db[(t * nsb + s) * 16 + i]) : 0.0f;
@@ -47,9 +47,9 @@ void qmm_scalar(int type, const Args& a, int64_t t0, int64_t t1) {
             for (int k = 0; k < ti.group; ++k) isum += (int32_t)u[i][h * ti.group + k] * (int32_t)xr[k];
             if (ti.has_b) {
               acc[i] = std::fmaf((float)isum, av * d, acc[i]);
-              acc[i] = std::fmaf(bv, a.dsx[m * ng + g], acc[i]);
+              acc[i] = std::fmaf(bv, a.dsx[g * a.Q + m], acc[i]);
             } else {
-              acc[i] = std::fmaf((float)(isum + a.osx[m * ng + g]), av * d, acc[i]);
+              acc[i] = std::fmaf((float)(isum + a.osx[g * a.Q + m]), av * d, acc[i]);
             }
           }
         }
@@ -71,7 +71,9 @@ int best_isa() {
 }
 
 namespace scalar_ops {
+#define SIMD16_ISA 0
 #include "forward_ops.h"
+#undef SIMD16_ISA
 }  // namespace scalar_ops
 
 const Ops& ops_scalar() { return scalar_ops::OPS; }

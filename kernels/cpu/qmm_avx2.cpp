@@ -84,7 +84,7 @@ void rows_half(const Args& a, int64_t t, int half, int64_t m0, bool prefetch) {
         }
         for (int r = 0; r < MR; ++r) {
           const int64_t m = m0 + r;
-          const int8_t* xr = a.xq + m * K + kb * 32 + h * G;
+          const int8_t* xr = a.xq + (kb * a.Q + m) * 32 + h * G;
           __m256i isum = _mm256_setzero_si256();
           for (int c = 0; c < G / 4; ++c)
             isum = _mm256_add_epi32(isum, dot4(lo[h * (G / 4) + c], load_i32(xr + 4 * c)));
@@ -94,13 +94,13 @@ void rows_half(const Args& a, int64_t t, int half, int64_t m0, bool prefetch) {
               ihi = _mm256_add_epi32(ihi, dot4(hi[h * (G / 4) + c], load_i32(xr + 4 * c)));
             isum = _mm256_add_epi32(isum, _mm256_slli_epi32(ihi, 4));
           }
-          const float d = a.dx[m * nkb + kb];
+          const float d = a.dx[kb * a.Q + m];
           const __m256 ad = _mm256_mul_ps(av, _mm256_set1_ps(d));
           if constexpr (ti.has_b) {
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), ad, acc[r]);
-            acc[r] = _mm256_fmadd_ps(bv, _mm256_set1_ps(a.dsx[m * ng + g]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(bv, _mm256_set1_ps(a.dsx[g * a.Q + m]), acc[r]);
           } else {
-            const __m256i shifted = _mm256_add_epi32(isum, _mm256_set1_epi32(a.osx[m * ng + g]));
+            const __m256i shifted = _mm256_add_epi32(isum, _mm256_set1_epi32(a.osx[g * a.Q + m]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(shifted), ad, acc[r]);
           }
         }
@@ -141,7 +141,9 @@ void tiles(const Args& a, int64_t t0, int64_t t1) {
 bool qmm_avx2(int type, const Args& a, int64_t t0, int64_t t1) { QMM_DISPATCH_TYPES(tiles, type, a, t0, t1) }
 
 namespace avx2_ops {
+#define SIMD16_ISA 1
 #include "forward_ops.h"
+#undef SIMD16_ISA
 }  // namespace avx2_ops
 
 const Ops& ops_avx2() { return avx2_ops::OPS; }

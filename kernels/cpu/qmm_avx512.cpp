@@ -56,59 +56,62 @@ inline __m512 load_i8x16(const int8_t* p) {
 // 16 all 10-25% faster than none from 1 to 13 rows; 8 the best by a little)
 constexpr int PREFETCH_GROUPS = 8;
 
-// rows m0 .. m0 + MR - 1 of tile t
-template <int TYPE, int MR>
-void rows_tile(const Args& a, int64_t t, int64_t m0, bool prefetch) {
+// rows m0 .. m0 + MR - 1 of tile t (PREFETCH: the first pass over the tile, which fetches its codes)
+template <int TYPE, int MR, bool PREFETCH>
+void rows_tile(const Args& a, int64_t t, int64_t m0) {
   constexpr TypeInfo ti = TYPES[TYPE];
   constexpr int G = ti.group, GPK = 32 / G, CB = code_bytes(ti.bits), KPS = ti.superblock / 32;
   const int64_t K = a.K, nsb = K / ti.superblock, nkb = K / 32, ng = K / G;
+  (void)KPS;
   // this tile's weights and these rows' activations, walked forward with k
   const uint8_t* __restrict codes = a.codes + t * nkb * CB;
   const uint16_t* __restrict da = a.da + t * nsb * 16;
   const uint16_t* __restrict db = ti.has_b ? a.db + t * nsb * 16 : nullptr;
   const int8_t* __restrict sa = ti.sub ? a.sa + t * ng * 16 : nullptr;
   const int8_t* __restrict sb = ti.sub && ti.has_b ? a.sb + t * ng * 16 : nullptr;
-  const int8_t* __restrict xq = a.xq + m0 * K;          // row r at xq + r K
-  const float* __restrict dx = a.dx + m0 * nkb;         // row r at dx + r nkb
-  const float* __restrict dsx = ti.has_b ? a.dsx + m0 * ng : nullptr;   // row r at + r ng
-  const int32_t* __restrict osx = ti.has_b ? nullptr : a.osx + m0 * ng;
+  const int64_t Q = a.Q;  // group-major activations: group kb's row r at (kb Q + r) 32, its scale at kb Q + r
+  const int8_t* __restrict xq = a.xq + m0 * 32;
+  const float* __restrict dx = a.dx + m0;
+  const float* __restrict dsx = ti.has_b ? a.dsx + m0 : nullptr;
+  const int32_t* __restrict osx = ti.has_b ? nullptr : a.osx + m0;
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < nsb; ++s) {
-    const __m512 Da = load_half16(da + s * 16);
-    __m512 Db = _mm512_setzero_ps();
-    if constexpr (ti.has_b) Db = load_half16(db + s * 16);
-    for (int q = 0; q < KPS; ++q) {
-      const int64_t kb = s * KPS + q;
-      __m512i U[8];
-      if (prefetch) {  // the codes PREFETCH_GROUPS groups ahead, so that the next ones arrive while these multiply
-        const char* ahead = reinterpret_cast<const char*>(codes + (kb + PREFETCH_GROUPS) * CB);
-        for (int line = 0; line < CB; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      }
-      unpack<ti.bits>(codes + kb * CB, U);
+  __m512 Da = _mm512_setzero_ps(), Db = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < nkb; ++kb) {  // one loop over the column groups (a super-block's scales at its first)
+    if (kb % KPS == 0) {
+      Da = load_half16(da + (kb / KPS) * 16);
+      if constexpr (ti.has_b) Db = load_half16(db + (kb / KPS) * 16);
+    }
+    __m512i U[8];
+    if constexpr (PREFETCH) {  // the codes PREFETCH_GROUPS groups ahead, so that the next ones arrive while these multiply
+      const char* ahead = reinterpret_cast<const char*>(codes + (kb + PREFETCH_GROUPS) * CB);
+      for (int line = 0; line < CB; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
+    unpack<ti.bits>(codes + kb * CB, U);
 #pragma GCC unroll 2
-      for (int h = 0; h < GPK; ++h) {
-        const int64_t g = kb * GPK + h;
-        __m512 av = Da, bv = Db;
-        if constexpr (ti.sub) {
-          av = _mm512_mul_ps(Da, load_i8x16(sa + g * 16));
-          if constexpr (ti.has_b) bv = _mm512_mul_ps(Db, load_i8x16(sb + g * 16));
-        }
-        const int8_t* xg = xq + kb * 32 + h * G;
+    for (int h = 0; h < GPK; ++h) {
+      const int64_t g = kb * GPK + h;
+      __m512 av = Da, bv = Db;
+      if constexpr (ti.sub) {
+        av = _mm512_mul_ps(Da, load_i8x16(sa + g * 16));
+        if constexpr (ti.has_b) bv = _mm512_mul_ps(Db, load_i8x16(sb + g * 16));
+      }
+      const int8_t* xg = xq + kb * Q * 32 + h * G;  // row r at xg + 32 r
+      const float* dxg = dx + kb * Q;
+      const int64_t gq = g * Q;
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xr = xg + r * 32;
+        __m512i isum = _mm512_setzero_si512();
 #pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-          const int8_t* xr = xg + r * K;
-          __m512i isum = _mm512_setzero_si512();
-#pragma GCC unroll 8
-          for (int c = 0; c < G / 4; ++c) isum = dot4(isum, U[h * (G / 4) + c], xr + 4 * c);
-          const __m512 ad = _mm512_mul_ps(av, _mm512_set1_ps(dx[r * nkb + kb]));
-          if constexpr (ti.has_b) {
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ad, acc[r]);
-            acc[r] = _mm512_fmadd_ps(bv, _mm512_set1_ps(dsx[r * ng + g]), acc[r]);
-          } else {
-            const __m512i shifted = _mm512_add_epi32(isum, _mm512_set1_epi32(osx[r * ng + g]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shifted), ad, acc[r]);
-          }
+        for (int c = 0; c < G / 4; ++c) isum = dot4(isum, U[h * (G / 4) + c], xr + 4 * c);
+        const __m512 ad = _mm512_mul_ps(av, _mm512_set1_ps(dxg[r]));
+        if constexpr (ti.has_b) {
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ad, acc[r]);
+          acc[r] = _mm512_fmadd_ps(bv, _mm512_set1_ps(dsx[gq + r]), acc[r]);
+        } else {
+          const __m512i shifted = _mm512_add_epi32(isum, _mm512_set1_epi32(osx[gq + r]));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shifted), ad, acc[r]);
         }
       }
     }
@@ -118,19 +121,33 @@ void rows_tile(const Args& a, int64_t t, int64_t m0, bool prefetch) {
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(a.y + (m0 + r) * a.ldy + t * 16, mask, acc[r]);
 }
 
+template <int TYPE, int MR>
+inline void pass(const Args& a, int64_t t, int64_t m) {  // the first pass over a tile fetches its codes
+  if (m == 0) rows_tile<TYPE, MR, true>(a, t, m);
+  else rows_tile<TYPE, MR, false>(a, t, m);
+}
+
 template <int TYPE>
 void tiles(const Args& a, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
-    int64_t m = 0;  // rows 8 at a time, then the rest in one pass (its own instantiation: 1 .. 7 rows)
-    for (; m + 8 <= a.M; m += 8) rows_tile<TYPE, 8>(a, t, m, m == 0);  // the first pass over a tile fetches it
+    int64_t m = 0;  // rows 16 at a time, then the rest in one pass (its own instantiation: 1 .. 15 rows)
+    for (; m + 16 <= a.M; m += 16) pass<TYPE, 16>(a, t, m);  // the first pass over a tile fetches it
     switch (a.M - m) {
-      case 7: rows_tile<TYPE, 7>(a, t, m, m == 0); break;
-      case 6: rows_tile<TYPE, 6>(a, t, m, m == 0); break;
-      case 5: rows_tile<TYPE, 5>(a, t, m, m == 0); break;
-      case 4: rows_tile<TYPE, 4>(a, t, m, m == 0); break;
-      case 3: rows_tile<TYPE, 3>(a, t, m, m == 0); break;
-      case 2: rows_tile<TYPE, 2>(a, t, m, m == 0); break;
-      case 1: rows_tile<TYPE, 1>(a, t, m, m == 0); break;
+      case 15: pass<TYPE, 15>(a, t, m); break;
+      case 14: pass<TYPE, 14>(a, t, m); break;
+      case 13: pass<TYPE, 13>(a, t, m); break;
+      case 12: pass<TYPE, 12>(a, t, m); break;
+      case 11: pass<TYPE, 11>(a, t, m); break;
+      case 10: pass<TYPE, 10>(a, t, m); break;
+      case 9: pass<TYPE, 9>(a, t, m); break;
+      case 8: pass<TYPE, 8>(a, t, m); break;
+      case 7: pass<TYPE, 7>(a, t, m); break;
+      case 6: pass<TYPE, 6>(a, t, m); break;
+      case 5: pass<TYPE, 5>(a, t, m); break;
+      case 4: pass<TYPE, 4>(a, t, m); break;
+      case 3: pass<TYPE, 3>(a, t, m); break;
+      case 2: pass<TYPE, 2>(a, t, m); break;
+      case 1: pass<TYPE, 1>(a, t, m); break;
       default: break;
     }
   }
@@ -141,7 +158,9 @@ void tiles(const Args& a, int64_t t0, int64_t t1) {
 bool qmm_avx512(int type, const Args& a, int64_t t0, int64_t t1) { QMM_DISPATCH_TYPES(tiles, type, a, t0, t1) }
 
 namespace avx512_ops {
+#define SIMD16_ISA 2
 #include "forward_ops.h"
+#undef SIMD16_ISA
 }  // namespace avx512_ops
 
 const Ops& ops_avx512() { return avx512_ops::OPS; }

@@ -36,12 +36,15 @@ constexpr TypeInfo TYPES[8] = {
 constexpr int NUM_TYPES = 8;
 
 struct Args {
-  const int8_t* xq;    // [M, K] activations as int8
-  const float* dx;     // [M, K / 32] their scales
-  // per row and group of G columns, from sx = the sum of xq over the group: the bias term's factor
-  const float* dsx;    // [M, K / G] dx * float(sx)   (HAS_B)
-  const int32_t* osx;  // [M, K / G] OFF * sx         (otherwise)
+  // the activations group-major (a column group's rows side by side: row r of a group at a constant offset), rows
+  // 0 .. M - 1 of Q >= M slots
+  const int8_t* xq;    // [K / 32, Q, 32] as int8
+  const float* dx;     // [K / 32, Q] their scales
+  // per group of G columns and row, from sx = the sum of xq over the group: the bias term's factor
+  const float* dsx;    // [K / G, Q] dx * float(sx)   (HAS_B)
+  const int32_t* osx;  // [K / G, Q] OFF * sx         (otherwise)
   int64_t M, K, T;     // rows, in features, tiles of 16 output rows
+  int64_t Q;           // row slots of the activations' layout
   const uint8_t* codes;  // [T, K / 32, CB]
   const uint16_t* da;    // [T, K / SB, 16] float16
   const uint16_t* db;    // [T, K / SB, 16] float16 (HAS_B)
