@@ -140,6 +140,8 @@ class LLM:
         for source, model in zip(self.specs, (self.target, self.draft)):
             if isinstance(source, (str, os.PathLike)) or load.packed_weights is not None:  # None: an object stays
                 self._set_packed_weights(model, load.packed_weights)
+            if model is not None and load.native_forward is not None:
+                self._set_native_forward(model, load.native_forward)
         self.tokenizer = tokenizer
         if tokenizer is None and isinstance(target, (str, os.PathLike)) and _has_tokenizer(target):
             self.tokenizer = load_tokenizer(target)
@@ -187,6 +189,17 @@ class LLM:
                 model.use_graphs(on)
             elif on and cuda_graphs:
                 raise ValueError(f"cuda_graphs=True needs models with use_graphs(); {type(model).__name__} has none")
+
+    @staticmethod
+    def _set_native_forward(model, native: bool) -> None:
+        """`native_forward`: False runs the torch forward; True requires the native one (models/native.py)."""
+        if not hasattr(model, "native_forward"):
+            if native:
+                raise ValueError(f"native_forward=True needs our Transformer; {type(model).__name__} has none")
+            return
+        model.native_forward = native
+        if native and model.native is None:
+            raise ValueError(f"native_forward=True: this model cannot run the native forward: {model.native_reason}")
 
     @staticmethod
     def _set_packed_weights(model, packed: bool | None) -> None:

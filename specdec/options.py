@@ -139,6 +139,12 @@ class LoadOptions(Checked):
                                          "multi-token forwards of the default pair, docs/benchmarks/packed-weights.md)."
                                          " Default: on for float32 CPU models whose linear weights take at most "
                                          "1 GiB", "tristate")
+    native_forward: bool | None = option(None, "CPU: run each step of a model whose weights are quantized blocks (a "
+                                         "GGUF as stored, or --quantize) as one native C++ call (kernels/cpu/"
+                                         "forward.cpp: every layer, the final norm and the head, batch-invariant by "
+                                         "construction); --no-native-forward runs the torch modules' ops instead. "
+                                         "Default: on where the model qualifies (the summary says which forward runs "
+                                         "and why)", "tristate")
     batch_invariant: object = option(AUTO, "batch-invariant numerics: a token's logits are the same bits whatever "
                                      "else shares the forward, so greedy speculative output equals AR bit for bit in "
                                      "bfloat16 and float32 too (slower; docs/design.md). Bare flag: on. Default auto: "

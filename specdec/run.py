@@ -260,7 +260,17 @@ def weights_summary(llm, args) -> str:
     types = sorted({p.qtype for m in llm.target.modules() if isinstance(m, QUANTIZED_LINEAR)
                     for _, p in getattr(m, "parts", ())})
     kind = "+".join(types) + (" as stored" if fmt == "gguf" else f" (--quantize {fmt})") if types else fmt
-    return f"weights {kind}, activations {dtype}"
+    return f"weights {kind}, activations {dtype}, {forward_summary(llm.target)}"
+
+
+def forward_summary(model) -> str:
+    """Which forward runs the model: 'native forward (avx512-vnni)', or 'torch forward (why not native)'."""
+    from specdec.kernels import qmm_cpu
+
+    if getattr(model, "native", None) is not None:
+        return f"native forward ({qmm_cpu.host_isa()})"
+    reason = getattr(model, "native_reason", None)
+    return f"torch forward ({reason})" if reason else "torch forward"
 
 
 def main(argv=None) -> int:

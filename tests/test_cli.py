@@ -95,7 +95,13 @@ def test_the_summary_names_the_weights_format(pair):
     quantized = cli("--target", target, "--method", "ar", "--prompt", "w1 w2", "--max-tokens", "4", "--no-progress",
                     "--quantize", "int4")
     assert quantized.returncode == 0, quantized.stderr
-    assert "; weights Q4_1+Q8_0 (--quantize int4), activations float32, device" in quantized.stdout, quantized.stdout
+    from specdec.kernels import qmm_cpu
+
+    runs = f"native forward ({qmm_cpu.host_isa()})" if qmm_cpu.available() else "torch forward ("
+    assert f"; weights Q4_1+Q8_0 (--quantize int4), activations float32, {runs}" in quantized.stdout, quantized.stdout
+    off = cli("--target", target, "--method", "ar", "--prompt", "w1 w2", "--max-tokens", "4", "--no-progress",
+              "--quantize", "int4", "--no-native-forward")
+    assert "torch forward (turned off" in off.stdout, off.stdout
 
 
 @pytest.mark.parametrize("args,message", [
