@@ -33,14 +33,15 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=["specdec", "specdec.schedulers", "specdec.serve", "specdec.proposers", "specdec.kernels", "specdec.models",
-              "specdec.train"],
+              "specdec.train", "specdec.draft_vocab"],
     package_dir={
         "specdec": "specdec",
         "specdec.schedulers": "specdec/schedulers",
         "specdec.kernels": "kernels",
         "specdec.models": "models",
     },
-    package_data={"specdec": ["assets/prompts.txt", "assets/default_pair/*/*", "assets/drafts/*/*"],
+    package_data={"specdec": ["assets/prompts.txt", "assets/default_pair/*/*", "assets/drafts/*/*",
+                              "assets/draft_vocab/*.npz"],
                   "specdec.train": ["default_pair_template.md"]},
     install_requires=[
         "torch>=2.4",

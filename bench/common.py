@@ -91,13 +91,28 @@ def git_revision() -> str:
     return rev + ("+dirty" if rev and dirty else "")
 
 
+def cpu_model() -> str:
+    """The CPU by name and the vector extensions the native kernels use ('Intel(R) Xeon(R) Processor (AVX-512
+    VNNI, AMX listed)'), from /proc/cpuinfo; the platform's name elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                platform.machine())
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), ()))
+    isa = "AVX-512 VNNI" if {"avx512f", "avx512_vnni"} <= flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{name} ({isa}{', AMX listed' if 'amx_int8' in flags else ''})"
+
+
 def machine() -> dict:
     """Where and when a run ran: CPU, torch threads, versions, git revision, date, load average now."""
     import torch
 
     return {"git": git_revision(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "cpu": cpu_model(), "cpu_count": os.cpu_count(),
             "threads": torch.get_num_threads(), "loadavg": list(os.getloadavg())}
 
 

@@ -43,17 +43,11 @@ def _i64_array(values) -> ctypes.Array:
     return (ctypes.c_int64 * len(values))(*values)
 
 
-def _check_tensor(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple | None = None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise NativeBindError(f"{name}: expected a tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise NativeBindError(f"{name}: the native forward reads CPU tensors, got one on {t.device}")
-    if t.dtype != dtype:
-        raise NativeBindError(f"{name}: expected {dtype}, got {t.dtype}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise NativeBindError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise NativeBindError(f"{name}: must be contiguous")
+def _check_vector(t: torch.Tensor, name: str, shape: tuple) -> None:
+    try:
+        qmm_cpu._check_tensor(t, name, torch.float32, shape)
+    except qmm_cpu.PackedWeightError as err:
+        raise NativeBindError(str(err)) from None
 
 
 class NativeModel:
@@ -74,6 +68,7 @@ class NativeModel:
         if not self._handle:
             raise NativeBindError(f"native forward: unsupported dimensions {self.dims}")
         self._kept: list[torch.Tensor] = []  # every tensor the C++ model points into: alive as long as it is
+        self.head_rows = V  # the head's rows: the vocabulary, or a subset of it (models/transformer.py restrict_head)
         self.isa: str | None = None  # None: the host's best; else one of qmm_cpu.ISAS (tests)
 
     def __del__(self):
@@ -91,28 +86,36 @@ class NativeModel:
         self._kept.append(t)
         return t.data_ptr()
 
+    def timings(self) -> dict[str, float]:
+        """The last forward's seconds inside the native call: the embedding, the layers, the final norm and head."""
+        return dict(zip(("embedding", "layers", "head"), self._last_step()[:3]))
+
+    def last_threads(self) -> int:
+        """The threads the last forward ran on."""
+        return int(self._last_step()[3])
+
+    def _last_step(self):
+        out = (ctypes.c_double * 4)()
+        self._lib.specdec_model_timings(self._handle, out)
+        return list(out)
+
     def add_linear(self, layer: int, slot: int, parts, bias: torch.Tensor | None, name: str) -> None:
         """Bind a linear layer's weight: `parts` [(first row, models/ggml_blocks.Packed)] in row order; `bias` [N]
         float32 or None. `name` names it in errors."""
         from specdec.models.ggml_blocks import TYPES
 
         n_total = sum(p.n for _, p in parts)
+        if slot == HEAD:
+            self.head_rows = n_total
         if bias is not None:
-            _check_tensor(bias, f"{name}.bias", torch.float32, (n_total,))
+            _check_vector(bias, f"{name}.bias", (n_total,))
         for i, (row, p) in enumerate(parts):
-            bt = TYPES.get(p.qtype)
-            if bt is None:
-                raise NativeBindError(f"{name}: block type {p.qtype} has no native kernel")
-            tiles, nkb = -(-p.n // 16), p.k // 32
             where = f"{name} part {i} ({p.qtype})"
-            _check_tensor(p.codes, f"{where} codes", torch.uint8, (tiles, nkb, 256 + 64 * (bt.bits - 4)))
-            _check_tensor(p.da, f"{where} da", torch.float16, (tiles, p.k // bt.superblock, 16))
-            if bt.has_b:
-                _check_tensor(p.db, f"{where} db", torch.float16, (tiles, p.k // bt.superblock, 16))
-            if bt.sub:
-                _check_tensor(p.sa, f"{where} sa", torch.int8, (tiles, p.k // bt.group, 16))
-                if bt.has_b:
-                    _check_tensor(p.sb, f"{where} sb", torch.int8, (tiles, p.k // bt.group, 16))
+            try:
+                qmm_cpu.check_packed(p, where)
+            except qmm_cpu.PackedWeightError as err:
+                raise NativeBindError(str(err)) from None
+            bt = TYPES[p.qtype]
             part_bias = None if bias is None else bias[row:row + p.n]
             code = self._lib.specdec_model_add_part(
                 self._handle, layer, slot, bt.id, row, p.n, p.k, self._keep(p.codes), self._keep(p.da),
@@ -124,7 +127,7 @@ class NativeModel:
     def set_vector(self, layer: int, slot: int, t: torch.Tensor, length: int, name: str) -> None:
         """Bind a float32 vector (a norm's weight) or, slot EMBED_FLOAT, a float32 [V, E] embedding table."""
         shape = (self.dims["V"], self.dims["E"]) if slot == EMBED_FLOAT else (length,)
-        _check_tensor(t, name, torch.float32, shape)
+        _check_vector(t, name, shape)
         if self._lib.specdec_model_set_vector(self._handle, layer, slot, self._keep(t)) != 0:
             raise NativeBindError(f"{name}: refused by the native model (layer {layer}, slot {slot})")
 
@@ -140,12 +143,13 @@ class NativeModel:
 
     def forward(self, ids: torch.Tensor, start: list[int], length: list[int], num_new: list[int], left_padded: bool,
                 kv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], logits: str | None = "all",
-                hidden: str | None = None, threads: int | None = None):
+                hidden: str | None = None, threads: int | None = None, layers: int | None = None):
         """One step: ids [B, T] int64; per row `start`, `length` (cached), `num_new` (real tokens) as host lists;
         kv [L, 2, B, H_kv, C, D] float32 (the cache's view of its rows; D contiguous), written in place; rope the
-        (cos, sin) [N, R] tables by position. Returns (logits [B, T, V] ("all") or [B, 1, V] ("last"), hidden
+        (cos, sin) [N, R] tables by position. Returns (logits [B, T, head rows] ("all") or [B, 1, head rows] ("last"),
+        hidden
         [B, T, E] ("all") / [B, 1, E] (where the logits are) or None). `threads`: default torch's count for this
-        thread."""
+        thread. `layers`: run the first `layers` layers only, which write their K/V (logits and hidden None)."""
         B, T = ids.shape
         d = self.dims
         if ids.dtype != torch.int64 or not ids.is_contiguous():
@@ -160,7 +164,7 @@ class NativeModel:
                 or not sin.is_contiguous() or cos.shape != sin.shape or cos.shape[1] != d["R"]:
             raise ValueError(f"native forward: the RoPE tables must be float32 [N, {d['R']}], contiguous")
         rows_out = 1 if logits == "last" else T
-        out = torch.empty(B, rows_out, d["V"]) if logits else None  # [B, T or 1, V]
+        out = torch.empty(B, rows_out, self.head_rows) if logits else None  # [B, T or 1, head rows]
         hid = None
         if hidden is not None:
             hid = torch.empty(B, T if hidden == "all" else rows_out, d["E"])  # [B, ., E]
@@ -169,7 +173,7 @@ class NativeModel:
             self._handle, ids.data_ptr(), B, T, _i64_array(start), _i64_array(length), _i64_array(num_new),
             int(left_padded), kv.data_ptr(), _i64_array(kv.stride()[:5]), C, cos.data_ptr(), sin.data_ptr(),
             cos.shape[0], LOGITS_MODES[logits], None if out is None else out.data_ptr(), HIDDEN_MODES[hidden],
-            None if hid is None else hid.data_ptr(), isa, int(threads or torch.get_num_threads()))
+            None if hid is None else hid.data_ptr(), isa, int(threads or torch.get_num_threads()), int(layers or 0))
         if code == 2:
             raise RuntimeError(f"native forward: this host cannot run instruction set {self.isa!r} "
                                f"(it runs {qmm_cpu.host_isa()!r})")

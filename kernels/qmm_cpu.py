@@ -1,6 +1,6 @@
 """The CPU matmul for quantized weights (`kernels/cpu/`, C++): `y = x @ W.T` with W in models/ggml_blocks.py's
-packed tiles (a GGUF's own block types, Q4_0 .. Q6_K, as stored), read once per call whatever the number of
-rows x has.
+packed tiles (a GGUF's own block types as stored: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS),
+read once per call whatever the number of rows x has.
 
 - The kernel (kernels/cpu/qmm*.cpp, built by setup.py at install as `specdec.kernels._qmm`, loaded here with
   ctypes): x quantized to int8 a row at a time (blocks of 32, a float32 scale each: llama.cpp's Q8_0 rule);
@@ -54,8 +54,10 @@ def _library():
         lib.specdec_model_check.argtypes = [ptr]
         lib.specdec_model_check.restype = c_int
         lib.specdec_model_forward.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, c_int, ptr, ptr, i64, ptr, ptr, i64,
-                                              c_int, ptr, c_int, ptr, c_int, c_int]
+                                              c_int, ptr, c_int, ptr, c_int, c_int, i64]
         lib.specdec_model_forward.restype = c_int
+        lib.specdec_model_timings.argtypes = [ptr, ptr]
+        lib.specdec_model_timings.restype = None
     except AttributeError as err:  # a kernel built from older sources
         return None, f"the CPU quantized kernel {found[0].name} is out of date ({err}); `pip install -e .` rebuilds it"
     return lib, None
@@ -79,18 +81,60 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+class PackedWeightError(ValueError):
+    """A packed weight's tensors the kernel cannot read as given (one line naming the weight and the tensor)."""
+
+
+def _check_tensor(t, name: str, dtype: torch.dtype, shape: tuple) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise PackedWeightError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise PackedWeightError(f"{name}: the CPU kernel reads CPU tensors, got one on {t.device}")
+    if t.dtype != dtype:
+        raise PackedWeightError(f"{name}: expected {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise PackedWeightError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise PackedWeightError(f"{name}: must be contiguous")
+
+
+def check_packed(packed, name: str = "packed weight") -> None:
+    """Every tensor of a models/ggml_blocks.py Packed the kernel reads: present, on the CPU, of its dtype and shape,
+    contiguous (the C++ side trusts its pointers); raises PackedWeightError naming `name` and the tensor."""
+    from specdec.models.ggml_blocks import TYPES
+
+    bt = TYPES.get(packed.qtype)
+    if bt is None:
+        raise PackedWeightError(f"{name}: block type {packed.qtype} has no kernel")
+    if packed.n < 1 or packed.k < 1 or packed.k % bt.superblock:
+        raise PackedWeightError(f"{name}: {packed.n} x {packed.k} is not a whole number of {packed.qtype} blocks")
+    tiles, where = -(-packed.n // 16), f"{name} ({packed.qtype})"
+    _check_tensor(packed.codes, f"{where} codes", torch.uint8, (tiles, packed.k // 32, 256 + 64 * (bt.bits - 4)))
+    _check_tensor(packed.da, f"{where} da", torch.float16, (tiles, packed.k // bt.superblock, 16))
+    if bt.has_b:
+        _check_tensor(packed.db, f"{where} db", torch.float16, (tiles, packed.k // bt.superblock, 16))
+    if bt.sub:
+        _check_tensor(packed.sa, f"{where} sa", torch.int8, (tiles, packed.k // bt.group, 16))
+        if bt.has_b:
+            _check_tensor(packed.sb, f"{where} sb", torch.int8, (tiles, packed.k // bt.group, 16))
+
+
 class Weight:
-    """A packed weight (models/ggml_blocks.py's Packed) with the kernel's arguments for it worked out once: what
-    a layer keeps, so that a call costs the kernel and little more (a step makes ~130 of them)."""
+    """A packed weight (models/ggml_blocks.py's Packed), checked (`check_packed`) and with the kernel's arguments
+    for it worked out once: what a layer keeps, so that a call costs the kernel and little more. It points into
+    the Packed's tensors, which it keeps: a layer binds a new one whenever its buffers change (models/quant.py)."""
 
     __slots__ = ("packed", "n", "k", "type_id", "pointers")
 
-    def __init__(self, packed):
+    def __init__(self, packed, name: str = "packed weight"):
         from specdec.models.ggml_blocks import TYPES
 
+        check_packed(packed, name)
+        bt = TYPES[packed.qtype]
         self.packed, self.n, self.k = packed, packed.n, packed.k
-        self.type_id = TYPES[packed.qtype].id
-        self.pointers = (_ptr(packed.codes), _ptr(packed.da), _ptr(packed.db), _ptr(packed.sa), _ptr(packed.sb),
+        self.type_id = bt.id
+        self.pointers = (_ptr(packed.codes), _ptr(packed.da), _ptr(packed.db if bt.has_b else None),
+                         _ptr(packed.sa if bt.sub else None), _ptr(packed.sb if bt.sub and bt.has_b else None),
                          packed.codes.shape[0])
 
 
@@ -131,12 +175,14 @@ def qmm(x: torch.Tensor, packed, isa: str | None = None, out: torch.Tensor | Non
 
 def quantize_activations(x: torch.Tensor):
     """x [M, K] -> (xq float64 [M, K] holding int8 values, dx float32 [M, K/32]): the kernel's rule (per block
-    of 32: dx = max |x| / 127, xq = round-half-even(x * (1 / dx)), 0 where dx is 0), in float32 as it does."""
+    of 32: dx = max |x| / 127, xq = round-half-even(x * (1 / dx)), 0 where dx is 0; a block holding a NaN or an
+    infinity gets dx NaN and codes 0, so every output it enters is NaN), in float32 as it does."""
     M, K = x.shape
     blocks = x.float().reshape(M, K // XBLOCK, XBLOCK)  # [M, K/32, 32]
-    dx = blocks.abs().amax(-1) / 127.0  # [M, K/32]
-    inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
-    xq = torch.round(blocks * inv[..., None])  # [M, K/32, 32]
+    finite = blocks.isfinite().all(-1)  # [M, K/32] a block with a NaN or an infinity: scale NaN, codes 0
+    dx = torch.where(finite, blocks.abs().amax(-1) / 127.0, float("nan"))  # [M, K/32]
+    inv = torch.where(finite & (dx != 0), 1.0 / dx, torch.zeros_like(dx))
+    xq = torch.where(finite[..., None], torch.round(blocks * inv[..., None]), 0.0)  # [M, K/32, 32]
     return xq.reshape(M, K).double(), dx
 
 

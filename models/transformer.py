@@ -23,9 +23,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from specdec.kernels.forward_cpu import NativeBindError
 from specdec.kernels.kv_append import kv_append, write_constants, write_index
 
-from . import native, numerics
+from . import native, numerics, quant
 from .cache import RAGGED, KVCache
 from .config import ModelConfig
 
@@ -291,6 +292,8 @@ class Transformer(nn.Module):
         self.attention_kind = ORDINARY_ATTENTION  # `choose_kernels`'
         self.head_kernel = None  # (h, backend) -> logits: `choose_kernels`'
         self._run_step = self._eager_step  # `_choose_step`'
+        # the head's rows where it is restricted to a subset of the vocabulary (`restrict_head`), else None
+        self.register_buffer("head_ids", None, persistent=False)
         self._native_forward = True  # `native_forward`
         self.native = None  # the C++ model of models/native.py, where the model qualifies (`choose_kernels`)
         self.native_reason = None  # why not, in one line
@@ -325,7 +328,10 @@ class Transformer(nn.Module):
         else:
             self.native_reason = native.why_not(self)
         if self.native_reason is None:
-            self.native = native.bind(self)
+            try:
+                self.native = native.bind(self)
+            except NativeBindError as err:  # a tensor it cannot read as it now is (a bias cast by .half())
+                self.native_reason = str(err)
         self._choose_step()
 
     def _choose_step(self) -> None:
@@ -557,10 +563,11 @@ class Transformer(nn.Module):
             self.embed(input_ids, features)  # a plain transformer takes none: its error
         T = input_ids.shape[1]
         host_new, _ = cache.step_rows(T, num_new)
-        out = self.native.forward(input_ids, cache.host_start, cache.host_length, host_new, cache.left_padded,
-                                  cache.kv, self.rope_table(cache.capacity), logits, hidden)
+        out, hid = self.native.forward(input_ids, cache.host_start, cache.host_length, host_new, cache.left_padded,
+                                       cache.kv, self.rope_table(cache.capacity), logits, hidden)
         cache.advance_host(host_new)
-        return out if hidden else out[0]
+        out = self.full_vocab(out)
+        return (out, hid) if hidden else out
 
     def _compiled_step(self, input_ids, cache: KVCache, num_new, logits: str, features, hidden):
         """`forward` through the compiled forward (`compile_forward`): one graph for every step (scatter writes
@@ -602,7 +609,41 @@ class Transformer(nn.Module):
 
     def head(self, h, backend=None):
         """Logits [B, T, V] of the last layer's output h [B, T, E]."""
-        return self.head_kernel(self.norm(h, backend), backend)
+        return self.full_vocab(self.head_kernel(self.norm(h, backend), backend))
+
+    def full_vocab(self, logits):
+        """The head's logits [..., N] over the whole vocabulary [..., V]: themselves, or where the head is restricted
+        to a subset (`restrict_head`) -inf for every token outside it (a softmax gives those tokens 0)."""
+        if self.head_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), float("-inf"))  # [..., V]
+        return full.index_copy_(-1, self.head_ids, logits)
+
+    def restrict_head(self, token_ids) -> None:
+        """Compute the head for `token_ids` only (FR-Spec's frequency-ranked subset, for a draft model): their rows of
+        the head, as stored (the same numbers), and -inf for every other token. The forward's logits stay [.., V]:
+        a greedy draft takes the subset's argmax, a sampled one draws from the renormalised subset distribution,
+        which is the distribution rejection sampling then holds it to (exact). The full head is released (a tied
+        embedding keeps its table); one-way."""
+        ids = torch.unique(torch.as_tensor(token_ids, dtype=torch.long))  # [N] ascending
+        V = self.cfg.vocab_size
+        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= V:
+            raise ValueError(f"restrict_head: token ids must be a non-empty subset of [0, {V})")
+        if self.head_ids is not None:
+            raise ValueError("restrict_head: the head is already restricted")
+        head = self.lm_head
+        if isinstance(head, quant.BlockLinear):
+            subset = head.select_rows(ids)
+        else:
+            subset = nn.Linear(head.in_features, ids.numel(), bias=head.bias is not None, device=head.weight.device,
+                               dtype=head.weight.dtype)
+            with torch.no_grad():
+                subset.weight.copy_(head.weight[ids])
+                if head.bias is not None:
+                    subset.bias.copy_(head.bias[ids])
+        self.lm_head = subset
+        self.head_ids = ids.to(self.device)
+        self.choose_kernels()
 
     def forward_tensors(self, input_ids, kv, positions, columns, mask, last_index, last_only: bool,
                         backend: str | None = None, features=None, hidden: str | None = None, causal: bool = False,
@@ -684,7 +725,15 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def layer0_kv(self, token_ids, positions):
-        """K/V of layer 0 for tokens [B, T] at positions [B, T]: a cheap invariant check (I2, I4)."""
+        """K/V of layer 0 for tokens [B, T] at positions [B, T]: a cheap invariant check (I2, I4). A model that runs
+        natively recomputes them natively (its first layer alone, into a scratch cache: the same bits as its
+        steps'), where the positions are each row's 0..T-1; else with the torch modules."""
+        B, T = token_ids.shape
+        if self.native is not None and torch.equal(positions, torch.arange(T, device=positions.device).expand(B, T)):
+            cache = self.new_cache(B, T)
+            self.native.forward(token_ids, [0] * B, [0] * B, [T] * B, False, cache.kv, self.rope_table(T), None,
+                                layers=1)
+            return cache.k[0], cache.v[0]  # [B, H_kv, T, D] each
         layer = self.layers[0]
         _, k, v = layer.self_attn.qkv(layer.input_layernorm(self.embed_tokens(token_ids)), *self.rope_heads(positions))
         return k, v

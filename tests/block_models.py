@@ -21,6 +21,10 @@ from specdec.models.transformer import Transformer
 # gate/up as two
 MIXED = {"q": "Q4_K", "k": "Q5_0", "v": "Q6_K", "o": "Q8_0", "gate": "Q4_1", "up": "Q5_K", "down": "Q4_0",
          "head": "Q6_K", "embed": "Q5_1"}
+# the 2- and 3-bit K types and IQ4's non-linear 4-bit ones, mixed as MIXED mixes the others (q/k/v of three types,
+# gate/up of two)
+LOW_BITS = {"q": "Q2_K", "k": "IQ4_NL", "v": "Q3_K", "o": "IQ4_XS", "gate": "Q3_K", "up": "Q2_K", "down": "IQ4_XS",
+            "head": "Q2_K", "embed": "IQ4_NL"}
 
 
 def raw_blocks(rng, qtype: str, n: int, k: int, std: float) -> np.ndarray:
@@ -71,7 +75,7 @@ def config(family: str = "llama", layers: int = 2, vocab: int = 300, **overrides
 def block_model(family: str = "llama", seed: int = 0, qtypes: dict | None = None, tied: bool = False,
                 **overrides) -> Transformer:
     """A Transformer of `config(family, ...)` whose projections, head and embedding are random blocks of
-    `qtypes` (default MIXED; one type for every weight where `qtypes` is a string), loaded as the GGUF loader
+    `qtypes` (default MIXED; LOW_BITS; one type for every weight where `qtypes` is a string), loaded as the GGUF loader
     leaves a quantized model (batch-invariant mode on)."""
     types = dict(MIXED) if qtypes is None else ({k: qtypes for k in MIXED} if isinstance(qtypes, str) else qtypes)
     cfg = dataclasses.replace(config(family, **overrides), tie_word_embeddings=tied)

@@ -173,15 +173,28 @@ def test_the_thread_count_and_the_instruction_set_do_not_change_the_bits(models,
         assert_same_bits(out, outs[0][2], f"{isa}, {threads} threads")
 
 
-def test_a_fresh_thread_gets_the_same_bits(models):
-    """The engine thread of a server never ran a torch op: its forward is the main thread's."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_fresh_thread_runs_on_the_count_it_was_given_and_gets_the_same_bits(models, threads):
+    """The engine thread of a server never ran a torch op: its forward runs on the thread count the process was
+    given (`--threads`), and gives the main thread's bits."""
     model = models["llama"]
     ids = token_ids(24, 4)[None]
-    here = model(ids, model.new_cache(1, 24))
-    there = {}
-    worker = threading.Thread(target=lambda: there.update(out=model(ids, model.new_cache(1, 24))))
-    worker.start()
-    worker.join()
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        here = model(ids, model.new_cache(1, 24))
+        there = {}
+
+        def work():
+            there["out"] = model(ids, model.new_cache(1, 24))
+            there["threads"] = model.native.last_threads()
+
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(was)
+    assert there["threads"] == threads
     assert_same_bits(there["out"], here)
 
 
@@ -223,3 +236,195 @@ def test_a_decode_step_dispatches_at_most_three_ops_a_layer(models):
         model = models[family]
         ops = step_ops(model)
         assert sum(ops.values()) <= 3 * model.cfg.num_layers, ops
+
+
+# ------------------------------------------------------------------------------------------ every method
+def native_pair(family="qwen2"):
+    """A native target and two drafts: its own copy (every draft accepted: full accepts and bonus tokens) and a
+    one-layer model of other weights (most drafts rejected)."""
+    target = block_model(family, seed=21)
+    return target, copy.deepcopy(target), block_model(family, seed=22, layers=1)
+
+
+def workload(n=6, seed=3, temperature=0.0):
+    from specdec import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, VOCAB, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    prompts[1] = prompts[0] + prompts[0][:5]  # a shared prefix (the prefix cache's hit)
+    params = [SamplingParams(max_tokens=14, temperature=temperature, top_p=0.9 if temperature else 1.0,
+                             seed=40 + i if temperature else None, ignore_eos=True) for i in range(n)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_every_method_equals_ar_on_native_models(temperature):
+    """Greedy and seeded: ar, eqspec, exspec and ragged, fixed and auto k, drafts all accepted or mostly
+    rejected, with and without the prefix cache and chunked prefill: the tokens of AR one request at a time."""
+    from specdec import LLM
+
+    target, twin, stranger = native_pair()
+    assert all(m.native is not None for m in (target, twin, stranger))
+    prompts, params = workload(temperature=temperature)
+    common = dict(cost_cache="", check_invariants=True, max_speculative_tokens=4)
+    want = [o.token_ids for o in LLM(target, method="ar", batch_size=1, **common).generate(
+        prompt_token_ids=prompts, sampling_params=params)]
+    cases = [("ar", None, None, 4, {}), ("eqspec", twin, 3, 4, {"lookup": None}), ("eqspec", stranger, 2, 3, {}),
+             ("exspec", twin, 4, 2, {"window_size": 4}), ("ragged", stranger, "auto", 4, {}),
+             ("ragged", twin, 3, 3, {"prefix_cache_gb": 0.01, "prefill_chunk": 7}),
+             ("eqspec", twin, 2, 2, {"prefix_cache_gb": 0.01})]
+    for method, draft, k, batch, extra in cases:
+        llm = LLM(target, draft, method=method, num_speculative_tokens=k, batch_size=batch, **common, **extra)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert [o.token_ids for o in outs] == want, f"{method} k={k} B={batch} {extra}"
+        if draft is twin and temperature == 0.0 and "lookup" in extra:  # the twin's own drafts are all taken
+            assert outs.metrics.accepted_drafts == outs.metrics.proposed_drafts > 0
+
+
+# ------------------------------------------------------------------------------------------ non-finite
+@pytest.mark.parametrize("isa", HOST_ISAS)
+@pytest.mark.parametrize("where", ["norm", "block scale", "activation"])  # NaN, NaN, inf
+def test_a_nan_anywhere_is_refused_with_the_non_finite_line(isa, where):
+    """A NaN in a norm weight, in one block's float16 scale, or in one activation: the logits of every token it
+    reaches are NaN (never a number: int8 quantization would otherwise turn it into one), on every instruction
+    set, and the engine refuses the step with its one line (issue 57)."""
+    from specdec import LLM, SamplingParams
+    from specdec.batch import NonFiniteLogitsError
+
+    model = block_model("llama", seed=31)
+    model.native.isa = isa
+    with torch.no_grad():
+        if where == "norm":
+            model.layers[1].post_attention_layernorm.weight[7] = float("nan")
+        elif where == "block scale":
+            da = model.layers[0].mlp.down_proj.parts[0][1].da  # [T, K/SB, 16] float16: one row's scale
+            da[2, 0, 5] = float("nan")
+        if where == "activation":  # an infinity in the activations: a norm weight that overflows them
+            model.layers[0].input_layernorm.weight[3] = 3e38
+    out = model(token_ids(6, 8)[None], model.new_cache(1, 8))
+    assert out.isnan().all(), f"{where}: {out.isnan().float().mean():.2f} of the logits NaN"
+    llm = LLM(model, method="ar", cost_cache="")
+    with pytest.raises(NonFiniteLogitsError, match="non-finite logits"):
+        llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=4))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_activation_makes_its_rows_outputs_nan_on_every_isa(bad):
+    """The matmul's activation quantization: a block of 32 holding a NaN or an infinity gets scale NaN (fmax would
+    skip a NaN, and converting one to int8 is undefined), so its row's every output is NaN, on every instruction
+    set and in the reference; the other rows keep their values."""
+    from specdec.models.ggml_blocks import decompose, pack
+    from test_ggml_blocks import random_raw
+    import numpy as np
+
+    p = pack(decompose(random_raw(np.random.default_rng(0), "Q4_K", 40, 256), "Q4_K"), "Q4_K")
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    x[1, 70] = bad
+    ref = qmm_cpu.qmm_reference(x, p)
+    assert ref[1].isnan().all() and ref[[0, 2]].isfinite().all()
+    clean = qmm_cpu.qmm(x[[0, 2]], p)
+    for isa in HOST_ISAS:
+        y = qmm_cpu.qmm(x, p, isa=isa)
+        assert y[1].isnan().all(), isa
+        assert_same_bits(y[[0, 2]], clean, isa)
+
+
+# ------------------------------------------------------------------------------------------ Q2_K, Q3_K, IQ4 types
+@pytest.fixture(scope="module")
+def low_bits_model():
+    """A two-layer model whose projections, head and embedding are Q2_K, Q3_K, IQ4_NL and IQ4_XS blocks."""
+    from block_models import LOW_BITS
+
+    return block_model("qwen2", seed=31, qtypes=LOW_BITS)
+
+
+def test_the_low_bit_types_run_natively_with_the_same_bits_on_every_isa_and_thread_count(low_bits_model):
+    from block_models import LOW_BITS
+
+    model = low_bits_model
+    assert model.native is not None and model.native_reason is None
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert [p.qtype for _, p in qkv.parts] == [LOW_BITS["q"], LOW_BITS["k"], LOW_BITS["v"]]
+    ids = token_ids(60, 33).view(3, 20)
+    native = model.native
+    outs = []
+    for isa in HOST_ISAS:
+        for threads in (1, 2, 3):
+            native.isa = isa
+            cache = model.new_cache(3, 24)
+            out = native.forward(ids, cache.host_start, cache.host_length, [20] * 3, False, cache.kv,
+                                 model.rope_table(24), "all", None, threads=threads)[0]
+            outs.append((isa, threads, out))
+    native.isa = None
+    for isa, threads, out in outs[1:]:
+        assert_same_bits(out, outs[0][2], f"{isa}, {threads} threads")
+    # a token's logits: the same bits alone and in a batch at T > 1
+    rows = [token_ids(n, 40 + i) for i, n in enumerate((17, 9))]
+    cache = model.new_cache(2, 20)
+    ids = torch.zeros(2, 17, dtype=torch.int64)
+    ids[0], ids[1, :9] = rows[0], rows[1]
+    logits = model(ids, cache, num_new=[17, 9])
+    for i, r in enumerate(rows):
+        assert_same_bits(logits[i, :len(r)], alone(model, r), f"row {i}")
+
+
+def test_the_low_bit_types_agree_with_the_torch_forward_to_rounding():
+    from block_models import LOW_BITS
+
+    model = block_model("qwen2", seed=32, qtypes=LOW_BITS, layers=1)
+    ids = token_ids(90, 6)[None]  # [1, 90]
+    outs = []
+    for native in (True, False):
+        model.native_forward = native
+        cache = model.new_cache(1, 96)
+        outs.append(torch.cat([model(ids[:, :88], cache)] + [model(ids[:, t:t + 1], cache) for t in (88, 89)], 1))
+    model.native_forward = True
+    a, b = outs  # [1, 90, V]
+    scale = b.abs().max()
+    per_token = (a - b).abs().amax(-1).flatten()  # [90]
+    assert per_token.median() <= 1e-6 * scale and (per_token > 1e-4 * scale).float().mean() <= 0.1, per_token
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.97
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "Q4_K", "Q6_K", "Q8_0", "Q5_1"])
+def test_the_native_embedding_lookup_is_the_dequantized_rows_bit_for_bit(qtype):
+    """forward.cpp's dequantize_row: with every layer's weights zero (their float16 scales zeroed in place), the
+    last layer's output is the embedding, so the native hidden states are the table's rows exactly
+    (models/ggml_blocks.py's dequantize_rows, which the torch forward looks up)."""
+    from block_models import LOW_BITS
+
+    model = block_model("llama", seed=34, qtypes=dict(LOW_BITS, embed=qtype), layers=1)
+    for name, buf in model.layers.named_buffers():
+        if name.endswith(("_da", "_db")):
+            buf.zero_()  # in place: the native model's pointers stay bound
+    ids = token_ids(40, 7).view(2, 20)
+    _, hidden = model(ids, model.new_cache(2, 20), logits="last", hidden="all")  # [2, 20, E]
+    want = model.embed_tokens.rows(ids)  # [2, 20, E]
+    assert model.embed_tokens.table.parts[0][1].qtype == qtype
+    assert torch.equal(hidden, want) and (want != 0).float().mean() > 0.5
+
+
+def test_a_block_linear_copied_cast_or_moved_computes_with_its_own_buffers():
+    """qmm_cpu.Weight holds the buffers' addresses: a deep copy reads its own buffers (it used to read the
+    original's), and a dtype cast (.float(), .half()) leaves the float16 scales as they are (held as int16 bits)
+    instead of handing the kernel float32 ones."""
+    from block_models import block_linear
+    import numpy as np
+
+    layer = block_linear(np.random.default_rng(0), ["Q4_K", "Q6_K"], [32, 16], 256)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    y = layer(x)
+    twin = copy.deepcopy(layer)
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(twin.buffers(), layer.buffers()))
+    with torch.no_grad():
+        for b in layer.buffers():
+            b.zero_()
+    assert_same_bits(twin(x), y)  # the original zeroed: the copy does not read it
+    cast = copy.deepcopy(twin).float()
+    assert cast.parts[0][1].da.dtype == torch.float16
+    assert_same_bits(cast(x), y)
+    half = copy.deepcopy(twin).half()
+    xh = x.half()
+    assert torch.equal(half(xh), twin(xh.float()).half())  # float16 activations: the same products, rounded
+    assert half.parts[1][1].da.dtype == torch.float16

@@ -20,17 +20,16 @@
 #include "forward.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <new>
+#include <new>  // std::nothrow
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 namespace qmm {
-
-int best_isa();
 
 template <typename T>
 void ensure(std::vector<T>& v, size_t n) {
@@ -39,10 +38,14 @@ void ensure(std::vector<T>& v, size_t n) {
 
 namespace {
 
-constexpr int64_t ATTN_CHUNK = 64;  // forward_ops.h's CHUNK
+double wall_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 constexpr int MAX_PARTS = 8;        // block-type parts of one linear layer
 
-// the bytes of one tile of a part (its share of a matmul's reads)
+// the bytes of one tile of a part (its share of a matmul's reads): codes (64 BITS bytes a group of 32 columns, every
+// type), float16 da (and db) per super-block, int8 sa (and sb) per group
 int64_t tile_bytes(const Part& p, int64_t K) {
   const TypeInfo& ti = TYPES[p.type];
   int64_t bytes = (K / 32) * code_bytes(ti.bits) + (K / ti.superblock) * 16 * 2 * (ti.has_b ? 2 : 1);
@@ -50,11 +53,12 @@ int64_t tile_bytes(const Part& p, int64_t K) {
   return bytes;
 }
 
-// row r of a packed part, dequantized as models/ggml_blocks.py's dequantize does: w = a u + b in float32
+// row r of a packed part, dequantized as models/ggml_blocks.py's dequantize does: w = a U + b in float32 (U: the
+// code, or the TABLE types' value of it; qmm_common.h's code_at reads the planes of every BITS)
 void dequantize_row(const Part& p, int64_t r, int64_t K, float* out) {
   const TypeInfo ti = TYPES[p.type];
   const int64_t nsb = K / ti.superblock, nkb = K / 32, ng = K / ti.group, t = r / 16;
-  const int i = (int)(r % 16), cb = code_bytes(ti.bits), hb = ti.bits - 4;
+  const int i = (int)(r % 16), cb = code_bytes(ti.bits);
   for (int64_t kb = 0; kb < nkb; ++kb) {
     const uint8_t* c = p.codes + (t * nkb + kb) * cb;
     const int64_t s = kb * 32 / ti.superblock;
@@ -62,15 +66,12 @@ void dequantize_row(const Part& p, int64_t r, int64_t K, float* out) {
     const float db = ti.has_b ? half_to_float(p.db[(t * nsb + s) * 16 + i]) : 0.0f;
     for (int ch = 0; ch < 8; ++ch) {
       for (int j = 0; j < 4; ++j) {
-        const int b = 4 * i + j;
-        const int lo = ch < 4 ? (c[64 * ch + b] & 15) : (c[64 * (ch - 4) + b] >> 4);
-        const int hi = hb > 0 ? (c[256 + 64 * (ch % hb) + b] >> ((ch / hb) * hb)) & ((1 << hb) - 1) : 0;
         const int64_t k = kb * 32 + 4 * ch + j, g = k / ti.group;
         const float a = ti.sub ? da * (float)p.sa[(t * ng + g) * 16 + i] : da;
         float bv;
         if (ti.has_b) bv = ti.sub ? db * (float)p.sb[(t * ng + g) * 16 + i] : db;
         else bv = (float)ti.off * a;
-        out[k] = a * (float)(lo | (hi << 4)) + bv;
+        out[k] = a * (float)code_at(ti, c, ch, 4 * i + j) + bv;
       }
     }
   }
@@ -147,6 +148,7 @@ struct Step {
   const int64_t* kvs;  // strides of kv in elements: layer, K/V, row, head, column (D contiguous)
   const float* cos_t;  // [rows, R] the RoPE table, by position
   const float* sin_t;
+  int64_t layers;      // the layers to run (all but for checks: the cache's first layers)
 
   void quantize_rows(const float* x, const Linear& lin, int64_t lo, int64_t hi) {
     qmm::quantize_rows(ops, md.ws, M, x, lin.K, lin, lo, hi);
@@ -181,7 +183,7 @@ struct Step {
     float* h = w.h.data();
     float* x = w.x.data();
     float* scratch = w.scratch.data() + tid * (ATTN_CHUNK + D);
-    for (int64_t l = 0; l < m.L; ++l) {
+    for (int64_t l = 0; l < layers; ++l) {
       const Layer& ly = m.layers[l];
       // norm + quantize for q/k/v
       for (int64_t r = r0; r < r1; ++r) ops.rms_norm(h + r * E, ly.attn_norm, E, m.eps, x + r * E);
@@ -407,28 +409,30 @@ int specdec_model_check(void* handle) {
   for (int64_t l = 1; l < m->L; ++l)
     if ((!m->layers[l].q_norm) != (!m->layers[0].q_norm)) return 10 + 10 * (int)l + 4;
   if (!m->final_norm) return 2;
-  if (!check_linear(m->head, m->V, E)) return 3;
+  if (m->head.N < 1 || !check_linear(m->head, m->head.N, E)) return 3;  // the vocabulary, or a subset of it
   if (!m->embed_float && !check_linear(m->embed, m->V, E)) return 4;
   return 0;
 }
 
 // One forward of B rows of T tokens (see the top of this file). ids [B, T]; start, length, num_new [B]; kv the
 // cache storage of the rows (strides kvs: layer, K/V, row, head, column; D contiguous), `capacity` columns a row;
-// cos/sin [table_rows, R] the RoPE table by position. logits_mode 0 none, 1 every token [B, T, V], 2 each row's last
-// real token [B, V]; hidden_mode 0 none, 1 the last layer's output (before the final norm) of every token [B, T, E],
-// 2 of the tokens the logits are for. isa -1 the
-// host's best; threads >= 1. Returns 0; 1 bad argument (a token id, a column or a position out of range); 2 an
+// cos/sin [table_rows, R] the RoPE table by position. logits_mode 0 none, 1 every token [B, T, N], 2 each row's last
+// real token [B, N] (N: the head's rows, the vocabulary or a subset of it); hidden_mode 0 none, 1 the last layer's
+// output (before the final norm) of every token [B, T, E], 2 of the tokens the logits are for. isa -1 the
+// host's best; threads >= 1; layers: the first `layers` layers only (<= 0: all), which write their K/V and nothing
+// else (invariant checks). Returns 0; 1 bad argument (a token id, a column or a position out of range); 2 an
 // instruction set this host cannot run.
 int specdec_model_forward(void* handle, const int64_t* ids, int64_t B, int64_t T, const int64_t* start,
                           const int64_t* length, const int64_t* num_new, int left_padded, float* kv,
                           const int64_t* kvs, int64_t capacity, const float* cos_t, const float* sin_t,
                           int64_t table_rows, int logits_mode, float* logits, int hidden_mode, float* hidden,
-                          int isa, int threads) {
+                          int isa, int threads, int64_t layers) {
   Model* mp = static_cast<Model*>(handle);
   if (!mp || B < 0 || T < 1 || threads < 1 || logits_mode < 0 || logits_mode > 2 || hidden_mode < 0 ||
       hidden_mode > 2)
     return 1;
   Model& m = *mp;
+  m.ws.seconds[3] = wall_seconds();
   const int host = best_isa();
   if (isa < 0) isa = host;
   if (isa > host) return 2;
@@ -465,7 +469,10 @@ int specdec_model_forward(void* handle, const int64_t* ids, int64_t B, int64_t T
     }
   }
   const Ops& ops = ops_for(isa);
-  Step step{m, ops, isa, B, T, M, start, kv, kvs, cos_t, sin_t};
+  if (layers <= 0 || layers > m.L) layers = m.L;
+  if (layers < m.L && (logits_mode || hidden_mode)) return 1;  // a partial forward writes the cache alone
+  Step step{m, ops, isa, B, T, M, start, kv, kvs, cos_t, sin_t, layers};
+  w.seconds[0] = wall_seconds();
   // the rows the head reads: every token, or each row's last real one (ragged: num_new - 1; left-padded: T - 1)
   const bool last = logits_mode == 2;
   const int64_t out_rows = last ? B : M;
@@ -478,6 +485,7 @@ int specdec_model_forward(void* handle, const int64_t* ids, int64_t B, int64_t T
 #endif
     step.run(tid, nt);
 #pragma omp barrier
+    if (tid == 0) w.seconds[1] = wall_seconds(), m.timings[3] = nt;
     const int64_t o0 = out_rows * tid / nt, o1 = out_rows * (tid + 1) / nt;
     for (int64_t o = o0; o < o1; ++o) {
       int64_t r = o;
@@ -497,12 +505,23 @@ int specdec_model_forward(void* handle, const int64_t* ids, int64_t B, int64_t T
       for (int64_t o = o0; o < o1; ++o) ops.rms_norm(w.x.data() + o * E, m.final_norm, E, m.eps, w.x.data() + o * E);
       step.quantize_rows(w.x.data(), m.head, o0, o1);
 #pragma omp barrier
-      step.matmul(m.head, out_rows, logits, V, tid, nt);
+      step.matmul(m.head, out_rows, logits, m.head.N, tid, nt);
 #pragma omp barrier
-      Step::add_bias(m.head, logits, V, o0, o1);
+      Step::add_bias(m.head, logits, m.head.N, o0, o1);
     }
   }
+  w.seconds[2] = wall_seconds();
+  m.timings[0] = w.seconds[0] - w.seconds[3];  // the embedding (and the step's checks)
+  m.timings[1] = w.seconds[1] - w.seconds[0];  // the layers
+  m.timings[2] = w.seconds[2] - w.seconds[1];  // the final norm and the head
   return 0;
+}
+
+// The last forward's seconds: [0] the embedding (and the step's checks), [1] the layers, [2] the final norm and the
+// head (bench/native_forward.py's split of a step); [3] the threads it ran on.
+void specdec_model_timings(void* handle, double* out) {
+  const Model* m = static_cast<const Model*>(handle);
+  for (int i = 0; i < 4; ++i) out[i] = m->timings[i];
 }
 
 }  // extern "C"

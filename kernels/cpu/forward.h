@@ -8,6 +8,8 @@
 
 namespace qmm {
 
+constexpr int64_t ATTN_CHUNK = 64;  // attention's keys reduced together, from each row's first key (forward_ops.h)
+
 // the element-wise and attention ops of one instruction set (forward_ops.h, compiled once per variant)
 struct Ops {
   float (*dot)(const float*, const float*, int64_t);
@@ -60,6 +62,7 @@ struct Workspace {
   std::vector<int32_t> terms_i;                      // per part: [K / G, M] OFF * sx          (otherwise)
   std::vector<int64_t> pos, col;                     // [M]
   std::vector<float> scratch;                        // [threads, CHUNK + D]
+  double seconds[4] = {};                            // the last forward's clock readings
 };
 
 struct Model {
@@ -72,6 +75,7 @@ struct Model {
   Linear embed;        // the embedding as packed blocks [V, E] (or:)
   const float* embed_float = nullptr;  // [V, E] float32
   Workspace ws;
+  double timings[4] = {};  // the last forward's seconds (embedding, layers, head) and threads (specdec_model_timings)
 };
 
 }  // namespace qmm

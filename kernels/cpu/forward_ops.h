@@ -14,7 +14,7 @@
 
 #include "simd16.h"
 
-constexpr int64_t CHUNK = 64;  // attention's keys reduced together, from each row's first key
+constexpr int64_t CHUNK = ATTN_CHUNK;  // forward.h's: attention's keys reduced together, from each row's first key
 
 // sum over d < n of x[d] y[d]
 inline float dot(const float* __restrict x, const float* __restrict y, int64_t n) {

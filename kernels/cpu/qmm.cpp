@@ -15,22 +15,16 @@ namespace qmm {
 void qmm_scalar(int type, const Args& a, int64_t t0, int64_t t1) {
   const TypeInfo ti = TYPES[type];
   const int64_t K = a.K, nsb = K / ti.superblock, nkb = K / 32, ng = K / ti.group;
-  const int cb = code_bytes(ti.bits), hb = ti.bits - 4, gpk = 32 / ti.group;
+  const int cb = code_bytes(ti.bits), gpk = 32 / ti.group;
   std::vector<float> acc(16);
-  uint8_t u[16][32];
+  uint8_t u[16][32];  // U of the tile's 16 rows x the group's 32 columns
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t m = 0; m < a.M; ++m) {
       for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
       for (int64_t kb = 0; kb < nkb; ++kb) {
         const uint8_t* p = a.codes + (t * nkb + kb) * cb;
-        for (int c = 0; c < 8; ++c) {  // the chunk vector U_c: byte 4 i + j = u[i][4 c + j]
-          for (int b = 0; b < 64; ++b) {
-            const uint8_t lo = c < 4 ? (p[64 * c + b] & 15) : (p[64 * (c - 4) + b] >> 4);
-            uint8_t hi = 0;
-            if (hb > 0) hi = (p[256 + 64 * (c % hb) + b] >> ((c / hb) * hb)) & ((1 << hb) - 1);
-            u[b / 4][4 * c + b % 4] = lo | (hi << 4);
-          }
-        }
+        for (int c = 0; c < 8; ++c)  // the chunk vector U_c: byte 4 i + j = u[i][4 c + j]
+          for (int b = 0; b < 64; ++b) u[b / 4][4 * c + b % 4] = (uint8_t)code_at(ti, p, c, b);
         const int64_t s = kb * 32 / ti.superblock;
         for (int h = 0; h < gpk; ++h) {
           const int64_t g = kb * gpk + h;

@@ -1,7 +1,8 @@
 // The AVX2 variant of qmm_common.h's matmul: a tile's 16 output rows as two halves of 8 (one ymm each).
 // Products by vpmaddubsw (u8 codes x s8 activations, pairs summed in int16: exact for codes <= 63) and
 // vpmaddwd (pairs into int32); 8-bit codes are multiplied as their two nibbles (16 hi + lo), which keeps
-// every int16 pair sum exact.
+// every int16 pair sum exact; the TABLE types' values U = s + 128 as |s| times xq with s's sign (sum s xq, the
+// integer sum U xq + OFF sum xq that the other variants form).
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -16,21 +17,22 @@
 namespace qmm {
 namespace {
 
-// half `half` (bytes 32 half .. 32 half + 31 of each 64-byte vector) of a group's codes: lo[c] (0..15) and,
-// for BITS > 4, hi[c] (0 .. 2^(BITS-4) - 1, not shifted)
+// half `half` (bytes 32 half .. 32 half + 31 of each 64-byte vector) of a group's codes: lo[c] (the low plane's
+// LB-bit fields) and, for BITS > LB, hi[c] (0 .. 2^(BITS-LB) - 1, not shifted)
 template <int BITS>
 inline void unpack(const uint8_t* p, int half, __m256i* lo, __m256i* hi) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  for (int v = 0; v < 4; ++v) {
+  constexpr int LB = low_bits(BITS), HB = BITS - LB;
+  const __m256i ml = _mm256_set1_epi8((char)((1 << LB) - 1));
+  for (int v = 0; v < LB; ++v) {
     const __m256i L = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * v + 32 * half));
-    lo[v] = _mm256_and_si256(L, m4);
-    lo[v + 4] = _mm256_and_si256(_mm256_srli_epi16(L, 4), m4);
+    for (int m = 0; m < 8 / LB; ++m)  // chunk v + LB m at bits LB m of each byte
+      lo[v + LB * m] = _mm256_and_si256(m == 0 ? L : _mm256_srli_epi16(L, LB * m), ml);
   }
-  constexpr int HB = BITS - 4;
   if constexpr (HB > 0) {
     const __m256i mh = _mm256_set1_epi8((char)((1 << HB) - 1));
     for (int c = 0; c < 8; ++c) {
-      const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256 + 64 * (c % HB) + 32 * half));
+      const __m256i H =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * LB + 64 * (c % HB) + 32 * half));
       hi[c] = _mm256_and_si256(_mm256_srli_epi16(H, (c / HB) * HB), mh);
     }
   }
@@ -38,6 +40,13 @@ inline void unpack(const uint8_t* p, int half, __m256i* lo, __m256i* hi) {
 
 inline __m256i dot4(__m256i codes, int32_t x4) {  // per int32 lane: sum of 4 code x activation products
   const __m256i p = _mm256_maddubs_epi16(codes, _mm256_set1_epi32(x4));  // [16 x int16] exact (codes <= 63)
+  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+// the TABLE types: per int32 lane the sum of 4 products s x of signed values s (-127..113, their signs in `sign`,
+// their magnitudes in `mag`) and activations x: |s| x (sign of s) pairs summed in int16, |.| <= 2 127 128: exact
+inline __m256i dot4_signed(__m256i mag, __m256i sign, int32_t x4) {
+  const __m256i p = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(x4), sign));
   return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
@@ -72,8 +81,17 @@ void rows_half(const Args& a, int64_t t, int half, int64_t m0, bool prefetch) {
         for (int line = 0; line < CB; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
       }
       unpack<ti.bits>(codes + kb * CB, half, lo, hi);
-      if constexpr (ti.bits > 4 && ti.bits < 8) {
-        for (int c = 0; c < 8; ++c) lo[c] = _mm256_or_si256(lo[c], _mm256_slli_epi16(hi[c], 4));  // <= 63
+      if constexpr (ti.bits != low_bits(ti.bits) && ti.bits < 8) {
+        for (int c = 0; c < 8; ++c)  // u <= 63
+          lo[c] = _mm256_or_si256(lo[c], _mm256_slli_epi16(hi[c], low_bits(ti.bits)));
+      }
+      if constexpr (ti.table) {  // hi: the signed values s = U - 128 of the 4-bit indices, lo: |s|
+        const __m256i values =
+            _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_SIGNED)));
+        for (int c = 0; c < 8; ++c) {
+          hi[c] = _mm256_shuffle_epi8(values, lo[c]);  // per 128-bit lane: index < 16
+          lo[c] = _mm256_abs_epi8(hi[c]);
+        }
       }
       for (int h = 0; h < GPK; ++h) {
         const int64_t g = kb * GPK + h;
@@ -86,8 +104,13 @@ void rows_half(const Args& a, int64_t t, int half, int64_t m0, bool prefetch) {
           const int64_t m = m0 + r;
           const int8_t* xr = a.xq + (kb * a.Q + m) * 32 + h * G;
           __m256i isum = _mm256_setzero_si256();
-          for (int c = 0; c < G / 4; ++c)
-            isum = _mm256_add_epi32(isum, dot4(lo[h * (G / 4) + c], load_i32(xr + 4 * c)));
+          for (int c = 0; c < G / 4; ++c) {
+            const int v = h * (G / 4) + c;
+            if constexpr (ti.table)  // sum s xq = sum U xq + OFF sum xq (OFF = -128): the integer the others form
+              isum = _mm256_add_epi32(isum, dot4_signed(lo[v], hi[v], load_i32(xr + 4 * c)));
+            else
+              isum = _mm256_add_epi32(isum, dot4(lo[v], load_i32(xr + 4 * c)));
+          }
           if constexpr (ti.bits == 8) {
             __m256i ihi = _mm256_setzero_si256();
             for (int c = 0; c < G / 4; ++c)
@@ -99,6 +122,8 @@ void rows_half(const Args& a, int64_t t, int half, int64_t m0, bool prefetch) {
           if constexpr (ti.has_b) {
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), ad, acc[r]);
             acc[r] = _mm256_fmadd_ps(bv, _mm256_set1_ps(a.dsx[g * a.Q + m]), acc[r]);
+          } else if constexpr (ti.table) {  // isum is already sum U xq + OFF sum xq
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), ad, acc[r]);
           } else {
             const __m256i shifted = _mm256_add_epi32(isum, _mm256_set1_epi32(a.osx[g * a.Q + m]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(shifted), ad, acc[r]);

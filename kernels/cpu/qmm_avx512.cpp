@@ -1,6 +1,7 @@
 // The AVX-512 VNNI variant of qmm_common.h's matmul: 16 output rows of W (a tile) in one zmm, the codes of
-// a 32-column group unpacked once into 8 chunk vectors (4 columns x 16 rows of bytes each) and multiplied
-// by every row of x in the call (vpdpbusd: u8 codes x s8 activations, 4 products a lane, int32 sums).
+// a 32-column group unpacked once into 8 chunk vectors (4 columns x 16 rows of bytes each: U, up to 8 bits, the
+// TABLE types' values included) and multiplied by every row of x in the call (vpdpbusd: u8 codes x s8 activations,
+// 4 products a lane, int32 sums).
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -15,25 +16,34 @@
 namespace qmm {
 namespace {
 
-template <int BITS>
+// a group's codes p -> the 8 chunk vectors U[c] (byte 4 i + j: U of row i, column 4 c + j): the low plane's LB-bit
+// fields, the high plane's above them; the TABLE types' 4-bit indices mapped to IQ4_VALUES by a byte shuffle
+template <int TYPE>
 inline void unpack(const uint8_t* p, __m512i* U) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  constexpr TypeInfo ti = TYPES[TYPE];
+  constexpr int LB = low_bits(ti.bits), HB = ti.bits - LB;
+  const __m512i ml = _mm512_set1_epi8((char)((1 << LB) - 1));
 #pragma GCC unroll 4
-  for (int v = 0; v < 4; ++v) {
+  for (int v = 0; v < LB; ++v) {
     const __m512i L = _mm512_loadu_si512(p + 64 * v);
-    U[v] = _mm512_and_si512(L, m4);
-    U[v + 4] = _mm512_and_si512(_mm512_srli_epi16(L, 4), m4);
+#pragma GCC unroll 4
+    for (int m = 0; m < 8 / LB; ++m)  // chunk v + LB m at bits LB m of each byte
+      U[v + LB * m] = _mm512_and_si512(m == 0 ? L : _mm512_srli_epi16(L, LB * m), ml);
   }
-  constexpr int HB = BITS - 4;
   if constexpr (HB > 0) {
-    const __m512i mh = _mm512_set1_epi8((char)(((1 << HB) - 1) << 4));
+    const __m512i mh = _mm512_set1_epi8((char)(((1 << HB) - 1) << LB));
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
-      const __m512i H = _mm512_loadu_si512(p + 256 + 64 * (c % HB));
-      const int shift = (c / HB) * HB;  // the chunk's field in H; moved to bits 4.. of each byte
-      const __m512i hi = shift >= 4 ? _mm512_srli_epi16(H, shift - 4) : _mm512_slli_epi16(H, 4 - shift);
+      const __m512i H = _mm512_loadu_si512(p + 64 * LB + 64 * (c % HB));
+      const int shift = (c / HB) * HB;  // the chunk's field in H; moved to bits LB.. of each byte
+      const __m512i hi = shift >= LB ? _mm512_srli_epi16(H, shift - LB) : _mm512_slli_epi16(H, LB - shift);
       U[c] = _mm512_or_si512(U[c], _mm512_and_si512(hi, mh));
     }
+  }
+  if constexpr (ti.table) {
+    const __m512i values = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_VALUES)));
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) U[c] = _mm512_shuffle_epi8(values, U[c]);  // per 128-bit lane: index < 16
   }
 }
 
@@ -87,7 +97,7 @@ void rows_tile(const Args& a, int64_t t, int64_t m0) {
       const char* ahead = reinterpret_cast<const char*>(codes + (kb + PREFETCH_GROUPS) * CB);
       for (int line = 0; line < CB; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     }
-    unpack<ti.bits>(codes + kb * CB, U);
+    unpack<TYPE>(codes + kb * CB, U);
 #pragma GCC unroll 2
     for (int h = 0; h < GPK; ++h) {
       const int64_t g = kb * GPK + h;

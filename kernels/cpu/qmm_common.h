@@ -1,15 +1,19 @@
 // specdec's CPU matmul for quantized weights: what every instruction-set variant shares.
 //
 // y[m, n] = sum_k x[m, k] w[n, k] with W held as models/ggml_blocks.py's packed tiles (16 output rows a tile,
-// 32 input columns a group of codes): w = a u + b per group, a = Da sa, b = Db sb (or OFF a), u an unsigned
-// BITS-bit code stored as a low nibble plane and a BITS - 4 bit high plane. x is quantized a row at a time
+// 32 input columns a group of codes): w = a U + b per group, a = Da sa, b = Db sb (or OFF a), U = u an unsigned
+// BITS-bit code stored as a low plane of LB bits (LB = 4, or 2 for the 2- and 3-bit codes of Q2_K and Q3_K) and a
+// high plane of BITS - LB bits (64 BITS bytes per 16 rows x 32 columns: models/ggml_blocks.py's docstring gives the
+// layout), or for the TABLE types (IQ4_NL, IQ4_XS) U = IQ4_VALUES[u] of a 4-bit index u (llama.cpp's non-linear
+// values + 128, OFF = -128: mapped by a byte shuffle where the codes are unpacked). x is quantized a row at a time
 // to int8 in blocks of 32 (dx = max |x| / 127, xq = nearbyint(x / dx), llama.cpp's Q8_0 rule with a float32
-// scale); the codes times xq are summed in int32 (exact), and each group adds
+// scale); U times xq is summed in int32 over the group (exact), and each group adds
 //     acc = fma(float(isum), a * dx, acc); acc = fma(b, dx * float(sum xq), acc)        (HAS_B)
 //     acc = fma(float(isum + OFF * sum xq), a * dx, acc)                                (otherwise)
 // in the order of k. Every variant (scalar, AVX2, AVX-512 VNNI) performs exactly these float operations per
 // output, whatever M is, whichever row block or thread computes it: a row's bits never depend on what else
-// is in the call, the number of threads, or the instruction set.
+// is in the call, the number of threads, or the instruction set. (The integer isum + OFF * sum xq may be
+// formed another way where it is the same integer: AVX2 sums (U - 128) xq for the TABLE types.)
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -20,20 +24,31 @@ struct TypeInfo {
   int bits, group, superblock;
   bool sub, has_b;
   int off;
+  bool table;  // U = IQ4_VALUES[u] (u a 4-bit index); else U = u
 };
 
 // index = the type id of models/ggml_blocks.py's TYPES
-constexpr TypeInfo TYPES[8] = {
-    {4, 32, 32, false, false, -8},     // Q4_0
-    {4, 32, 32, false, true, 0},       // Q4_1
-    {5, 32, 32, false, false, -16},    // Q5_0
-    {5, 32, 32, false, true, 0},       // Q5_1
-    {8, 32, 32, false, false, -128},   // Q8_0
-    {4, 32, 256, true, true, 0},       // Q4_K
-    {5, 32, 256, true, true, 0},       // Q5_K
-    {6, 16, 256, true, false, -32},    // Q6_K
+constexpr TypeInfo TYPES[12] = {
+    {4, 32, 32, false, false, -8, false},     // Q4_0
+    {4, 32, 32, false, true, 0, false},       // Q4_1
+    {5, 32, 32, false, false, -16, false},    // Q5_0
+    {5, 32, 32, false, true, 0, false},       // Q5_1
+    {8, 32, 32, false, false, -128, false},   // Q8_0
+    {4, 32, 256, true, true, 0, false},       // Q4_K
+    {5, 32, 256, true, true, 0, false},       // Q5_K
+    {6, 16, 256, true, false, -32, false},    // Q6_K
+    {2, 16, 256, true, true, 0, false},       // Q2_K
+    {3, 16, 256, true, false, -4, false},     // Q3_K
+    {4, 32, 32, false, false, -128, true},    // IQ4_NL
+    {4, 32, 256, true, false, -128, true},    // IQ4_XS
 };
-constexpr int NUM_TYPES = 8;
+constexpr int NUM_TYPES = 12;
+
+// llama.cpp's kvalues_iq4nl + 128 (models/ggml_blocks.py's IQ4_VALUES), and the signed values themselves
+alignas(16) constexpr uint8_t IQ4_VALUES[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                                129, 141, 153, 166, 181, 197, 217, 241};
+alignas(16) constexpr int8_t IQ4_SIGNED[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
 
 struct Args {
   // the activations group-major (a column group's rows side by side: row r of a group at a constant offset), rows
@@ -54,7 +69,18 @@ struct Args {
   int64_t ldy, n;
 };
 
-constexpr int code_bytes(int bits) { return 256 + 64 * (bits - 4); }
+constexpr int code_bytes(int bits) { return 64 * bits; }  // per 16 rows x 32 columns
+constexpr int low_bits(int bits) { return bits >= 4 ? 4 : 2; }  // LB: the low plane's bits a code
+
+// chunk c's code of byte b (row b / 4, column 4 c + b % 4) in a group's codes p: the low plane's field, the high
+// plane's above it (models/ggml_blocks.py's layout), then U (the TABLE types' value)
+inline int code_at(const TypeInfo& ti, const uint8_t* p, int c, int b) {
+  const int lb = low_bits(ti.bits), hb = ti.bits - lb;
+  int u = (p[64 * (c % lb) + b] >> ((c / lb) * lb)) & ((1 << lb) - 1);
+  if (hb > 0) u |= ((p[64 * lb + 64 * (c % hb) + b] >> ((c / hb) * hb)) & ((1 << hb) - 1)) << lb;
+  return ti.table ? IQ4_VALUES[u] : u;
+}
+
 
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
@@ -92,8 +118,15 @@ inline int32_t load_i32(const int8_t* p) { return *reinterpret_cast<const unalig
     case 5: TILES<5>(a, t0, t1); return true;                            \
     case 6: TILES<6>(a, t0, t1); return true;                            \
     case 7: TILES<7>(a, t0, t1); return true;                            \
+    case 8: TILES<8>(a, t0, t1); return true;                            \
+    case 9: TILES<9>(a, t0, t1); return true;                            \
+    case 10: TILES<10>(a, t0, t1); return true;                          \
+    case 11: TILES<11>(a, t0, t1); return true;                          \
   }                                                                      \
   return false;
+
+// the best instruction set this host runs: 2 AVX-512 VNNI, 1 AVX2 + FMA, 0 scalar (qmm.cpp)
+int best_isa();
 
 // the instruction-set variants (each in its own file, compiled for its target)
 void qmm_scalar(int type, const Args& a, int64_t t0, int64_t t1);
