@@ -1,9 +1,12 @@
 """Peak memory of `load_model`: this tree's loader against an earlier revision's (--before), on a random
-checkpoint of a real model's shape, or this tree's loader on a GGUF file (--gguf). Every measurement runs in
-a fresh subprocess, interleaved, reporting peak RSS after import, after loading and after reading every weight
-(docs/benchmarks/loader-memory.md). The driver never imports torch: a child inherits its parent's peak RSS.
+checkpoint of a real model's shape, or on a GGUF file (--gguf; dtype `stored` keeps its blocks as the file
+has them, the CPU default). Every measurement runs in a fresh subprocess, interleaved, reporting peak RSS
+(ru_maxrss, the kernel's high-water mark) after import, after loading and after reading every weight, and
+the resident memory once loaded (docs/benchmarks/loader-memory.md). The driver never imports torch: a child
+inherits its parent's peak RSS.
 
     python -m bench.loader_memory --shape qwen3-0.6b --repeats 2
+    python -m bench.loader_memory --gguf FILE.gguf --dtypes stored --loaders head,now --before REV
 """
 from __future__ import annotations
 
@@ -73,16 +76,25 @@ def build_checkpoint(directory: str, shape: str) -> int:
     return os.path.getsize(os.path.join(directory, "model.safetensors"))
 
 
-def head_loader_package(root: str, revision: str) -> str:
-    """`revision`'s models/ as package `models_head` under `root` (forward-only imports stubbed out)."""
+def head_loader_package(root: str, revision: str, every_module: bool = False) -> str:
+    """`revision`'s models/ as package `models_head` under `root`: the safetensors loader's modules (their
+    forward-only imports stubbed out), or `every_module` of it, as they are (the GGUF loader's imports; its
+    absolute imports, specdec.kernels among them, resolve to this tree)."""
     package = os.path.join(root, "models_head")
     os.makedirs(package, exist_ok=True)
-    for name in BEFORE_MODULES:
+    names = BEFORE_MODULES
+    if every_module:
+        listing = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:models"], cwd=REPO,
+                                 capture_output=True, text=True, check=True).stdout.split()
+        names = [n[:-3] for n in listing if n.endswith(".py") and n != "__init__.py"]
+    for name in names:
         text = subprocess.run(["git", "show", f"{revision}:models/{name}.py"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout
-        text = text.replace("from specdec.kernels.kv_append import kv_append", "kv_append = None")
-        text = text.replace("from specdec.kernels.positions import StepPlan, step_plan", "StepPlan = step_plan = None")
-        text = text.replace("from specdec.kernels.positions import StepPlan", "StepPlan = None")
+        if not every_module:  # an old revision's kernels imports, which this tree no longer has
+            text = text.replace("from specdec.kernels.kv_append import kv_append", "kv_append = None")
+            text = text.replace("from specdec.kernels.positions import StepPlan, step_plan",
+                                "StepPlan = step_plan = None")
+            text = text.replace("from specdec.kernels.positions import StepPlan", "StepPlan = None")
         with open(os.path.join(package, f"{name}.py"), "w") as f:
             f.write(text)
     open(os.path.join(package, "__init__.py"), "w").close()
@@ -90,7 +102,8 @@ def head_loader_package(root: str, revision: str) -> str:
 
 
 def measure(loader: str, directory: str, dtype: str) -> dict:
-    """In this (fresh) process: load once, report peak RSS at each stage."""
+    """In this (fresh) process: load once, report peak RSS at each stage and the resident memory once loaded
+    (dtype `stored`: a GGUF's blocks as stored, load_model's default)."""
     import torch
 
     def peak_mib() -> float:
@@ -103,19 +116,30 @@ def measure(loader: str, directory: str, dtype: str) -> dict:
     import torch._dynamo  # noqa: F401  (load_state_dict pulls it in, and with it libtriton: not model memory)
 
     torch.ones(1).sum()
-    baseline = peak_mib()
+    baseline, baseline_rss = peak_mib(), resident_mib()
     t0 = time.perf_counter()
-    model = load_model(directory, dtype=dtype, **({"check_weights": True} if loader == "check" else {}))
+    model = load_model(directory, dtype=None if dtype == "stored" else dtype,
+                       **({"check_weights": True} if loader == "check" else {}))
     load_s = time.perf_counter() - t0
-    after_load = peak_mib()
-    params = {id(p): p for p in model.parameters()}
-    model_bytes = sum(p.numel() * p.element_size() for p in params.values())
-    checksum = sum(float(chunk.double().sum()) for p in params.values()
-                   for chunk in p.reshape(-1).split(1 << 22))  # reads every weight once; 32 MiB temporaries
+    after_load, loaded_rss = peak_mib(), resident_mib()
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}  # a quantized model's blocks are buffers
+    model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    checksum = sum(float(chunk.double().sum()) for t in tensors.values()
+                   for chunk in t.detach().reshape(-1).split(1 << 22))  # reads every weight once; 32 MiB temporaries
     after_touch = peak_mib()
-    return {"loader": loader, "dtype": dtype, "baseline_mib": baseline, "after_load_mib": after_load,
-            "after_touch_mib": after_touch, "model_mib": model_bytes / 2**20, "load_s": load_s, "checksum": checksum,
+    return {"loader": loader, "dtype": dtype, "baseline_mib": baseline, "baseline_rss_mib": baseline_rss,
+            "after_load_mib": after_load, "loaded_rss_mib": loaded_rss, "after_touch_mib": after_touch,
+            "model_mib": model_bytes / 2**20, "load_s": load_s, "checksum": checksum,
             "check_s": getattr(model, "weights_check_s", None)}
+
+
+def resident_mib() -> float:
+    """This process's resident memory now (VmRSS), MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def main() -> None:
@@ -123,15 +147,17 @@ def main() -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="the random checkpoint's shape")
     p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "specdec-loader-memory"),
                    help="where the checkpoint is built")
-    p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated load dtypes")
+    p.add_argument("--dtypes", default=None, help="comma-separated load dtypes (default bfloat16,float32; with "
+                   "--gguf stored); 'stored': a GGUF's blocks as the file has them (load_model's CPU default)")
     p.add_argument("--repeats", type=int, default=2, help="measurements per (loader, dtype), interleaved")
-    p.add_argument("--loaders", default="head,now", help="head = the loader of --before, now = this tree's, "
-                   "check = this tree's with check_weights=True (the NaN/inf scan, timed)")
+    p.add_argument("--loaders", default=None, help="comma-separated (default head,now; with --gguf now): head = "
+                   "the loader of --before, now = this tree's, check = this tree's with check_weights=True (the "
+                   "NaN/inf scan, timed)")
     p.add_argument("--before", default="5fd8984", help="git revision whose loader is 'head'")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint")
     p.add_argument("--reuse", action="store_true", help="use the checkpoint a --keep run left in --dir")
     p.add_argument("--gguf", default=None, metavar="FILE",
-                   help="measure loading this .gguf file (loaders 'now' and 'check' only; nothing built or deleted)")
+                   help="measure loading this .gguf file (nothing built or deleted; 'head' runs --before's models/)")
     p.add_argument("--measure", nargs=3, metavar=("LOADER", "DIR", "DTYPE"), help=argparse.SUPPRESS)
     p.add_argument("--build", nargs=2, metavar=("DIR", "SHAPE"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -147,11 +173,9 @@ def main() -> None:
     if args.gguf:
         if not os.path.isfile(args.gguf):
             p.error(f"--gguf {args.gguf}: no such file")
-        if args.loaders == p.get_default("loaders"):
-            args.loaders = "now"
-        if "head" in args.loaders.split(","):
-            p.error("--gguf: the 'head' loader cannot read GGUF files; use --loaders now,check")
         args.keep = True  # nothing of ours to delete
+    args.loaders = args.loaders or ("now" if args.gguf else "head,now")
+    args.dtypes = args.dtypes or ("stored" if args.gguf else "bfloat16,float32")
     ckpt = args.gguf or os.path.join(args.dir, args.shape)
     t0 = time.perf_counter()
     file = args.gguf or os.path.join(ckpt, "model.safetensors")
@@ -164,11 +188,12 @@ def main() -> None:
     size = int(subprocess.run(build, cwd=REPO, capture_output=True, text=True, check=True).stdout.split()[-1])
     print(f"{'using' if args.gguf else 'built'} {ckpt}: {os.path.basename(file)} {size / 2**30:.2f} GiB in "
           f"{time.perf_counter() - t0:.0f} s")
-    pkg_root = (os.path.join(args.dir, "head") if args.gguf else
-                head_loader_package(os.path.join(args.dir, "head"), args.before))
+    pkg_root = os.path.join(tempfile.mkdtemp(prefix="specdec-loader-head-"), "head")  # --before's models/
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pkg_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     results = []
     try:
+        if "head" in args.loaders.split(","):
+            head_loader_package(pkg_root, args.before, every_module=bool(args.gguf))
         for repeat in range(args.repeats):
             for dtype in args.dtypes.split(","):
                 for loader in args.loaders.split(","):  # interleaved
@@ -178,9 +203,11 @@ def main() -> None:
                     results.append(r)
                     scan = f", of which the NaN/inf scan {r['check_s']:.2f} s" if r["check_s"] is not None else ""
                     print(f"  repeat {repeat} {loader:5} {dtype:8}: baseline {r['baseline_mib']:.0f} MiB, peak after "
-                          f"load {r['after_load_mib']:.0f} MiB, after reading all weights {r['after_touch_mib']:.0f} "
-                          f"MiB, model {r['model_mib']:.0f} MiB, load {r['load_s']:.1f} s{scan}", flush=True)
+                          f"load {r['after_load_mib']:.0f} MiB, resident once loaded {r['loaded_rss_mib']:.0f} MiB, "
+                          f"after reading all weights {r['after_touch_mib']:.0f} MiB, model {r['model_mib']:.0f} "
+                          f"MiB, load {r['load_s']:.1f} s{scan}", flush=True)
     finally:
+        shutil.rmtree(os.path.dirname(pkg_root), ignore_errors=True)
         if not args.keep:
             shutil.rmtree(args.dir, ignore_errors=True)
     print(f"\nload average after: {os.getloadavg()}")
@@ -197,6 +224,24 @@ def main() -> None:
                    ([args.before if loader == "head" else loader, dtype, f"{rs[0]['model_mib']:.0f}",
                      growth(rs, "after_load_mib"), growth(rs, "after_touch_mib"),
                      f"{statistics.median(r['load_s'] for r in rs):.1f}"] for (loader, dtype), rs in groups.items())))
+    if args.gguf:  # against the file: what loading it costs beyond the process it loads into
+        file_mib = size / 2**20
+
+        def of_file(rs, key, base):
+            mib = [r[key] - r[base] for r in rs]
+            return (f"{statistics.median(mib):.0f} ({statistics.median(mib) / file_mib:.2f}×, range "
+                    f"{min(mib) / file_mib:.2f}–{max(mib) / file_mib:.2f})")
+
+        print(f"\nagainst the file ({file_mib:.0f} MiB); baseline = after the imports, before load_model:")
+        print(md_table(["loader", "dtype", "baseline MiB", "peak while loading MiB", "resident once loaded MiB",
+                        "peak − baseline (× file)", "resident once loaded − baseline (× file)"],
+                       ([args.before if loader == "head" else loader, dtype,
+                         f"{statistics.median(r['baseline_mib'] for r in rs):.0f}",
+                         f"{statistics.median(r['after_load_mib'] for r in rs):.0f}",
+                         f"{statistics.median(r['loaded_rss_mib'] for r in rs):.0f}",
+                         of_file(rs, "after_load_mib", "baseline_mib"),
+                         of_file(rs, "loaded_rss_mib", "baseline_rss_mib")]
+                        for (loader, dtype), rs in groups.items())))
     for dtype in args.dtypes.split(","):
         sums = {r["loader"]: f"{r['checksum']:.6g}" for r in results if r["dtype"] == dtype}
         print(f"sum of all weights, {dtype}: {sums}")

@@ -96,16 +96,51 @@ def _sentencepiece_bpe(tokens, merges, scores, add_prefix_space: bool) -> tokeni
     return tok
 
 
+def _array_of(meta: dict, path: str, key: str, kind, length: int | None = None) -> list | None:
+    """Metadata array `tokenizer.ggml.{key}` (None where absent), checked: a list of `kind` values (`length` of
+    them where given); one line naming the file and the key otherwise."""
+    value = meta.get(f"tokenizer.ggml.{key}")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+        kinds = {str: "strings", int: "integers"}.get(kind, "numbers")
+        raise CheckpointError(f"{path}: GGUF metadata tokenizer.ggml.{key} is not an array of {kinds}")
+    if length is not None and len(value) != length:
+        raise CheckpointError(f"{path}: GGUF metadata tokenizer.ggml.{key} has {len(value)} entries, but "
+                              f"tokenizer.ggml.tokens has {length} tokens")
+    return value
+
+
 def build_gguf_tokenizer(path: str) -> tuple[tokenizers.Tokenizer, dict]:
     """The `tokenizers` object of GGUF file `path`, and its tokenizer_config.json entries (bos/eos/unk/pad
-    token strings, chat_template, add_bos_token, add_eos_token)."""
+    token strings, chat_template, add_bos_token, add_eos_token). Metadata the `tokenizers` library refuses (a
+    merge of tokens not in the vocabulary, ...) is one CheckpointError naming the file."""
     meta = open_gguf(path, arrays=TOKENIZER_ARRAYS).metadata
+    try:
+        return _build(path, meta)
+    except CheckpointError:
+        raise
+    except Exception as err:  # the tokenizers library's own errors are plain Exceptions
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path}: cannot build the tokenizer from the GGUF metadata ({reason})") from None
+
+
+def _build(path: str, meta: dict) -> tuple[tokenizers.Tokenizer, dict]:
     kind = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
     if kind is None or not tokens:
         raise CheckpointError(f"{path}: no tokenizer in the GGUF metadata (tokenizer.ggml.model / tokens)")
-    merges, scores = meta.get("tokenizer.ggml.merges"), meta.get("tokenizer.ggml.scores")
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokens = _array_of(meta, path, "tokens", str)
+    merges = _array_of(meta, path, "merges", str)
+    scores = _array_of(meta, path, "scores", (int, float), len(tokens))
+    types = _array_of(meta, path, "token_type", int, len(tokens)) or [1] * len(tokens)
+    template = meta.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{path}: GGUF metadata tokenizer.chat_template is not a string")
+    if merges is not None and not all(" " in m for m in merges):
+        bad = next(m for m in merges if " " not in m)
+        raise CheckpointError(f"{path}: GGUF metadata tokenizer.ggml.merges holds {bad!r}, not two tokens "
+                              f"separated by a space")
     if kind == "gpt2":
         if merges is None:
             raise CheckpointError(f"{path}: byte-level BPE tokenizer without tokenizer.ggml.merges")

@@ -42,10 +42,11 @@ from specdec.kernels.quant_matmul import (FORMATS, GROUP, INT4_OFFSET, dequantiz
                                           quant_matmul, unpack_nibbles)
 
 from specdec.kernels import qmm_cpu
+from specdec.kernels.bi_matmul import bi_linear, pack_weight
 
 from .errors import CheckpointError
 from .finite import check_finite
-from .ggml_blocks import Decomposed, Packed, pack, quantize_rows
+from .ggml_blocks import TILE_ROWS, Decomposed, Packed, pack, quantize_rows, select_rows
 from .ggml_blocks import dequantize as dequantize_packed
 from .ggml_blocks import dequantize_rows as dequantize_packed_rows
 
@@ -169,19 +170,24 @@ class BlockLinear(nn.Module):
                                  f"{first} and {self.in_features}")
             first += p.n
             for field in PACKED_FIELDS:
-                if getattr(p, field) is not None:
-                    self.register_buffer(f"part{i}_{field}", getattr(p, field), persistent=False)
+                t = getattr(p, field)
+                if t is not None:  # float16 scales held as their int16 bits: a dtype cast (.float()) leaves them be
+                    self.register_buffer(f"part{i}_{field}", t.view(torch.int16) if t.dtype == torch.float16 else t,
+                                         persistent=False)
         self.part_shapes = [(row, p.qtype, p.n) for row, p in parts]  # the parts' tensors are the buffers
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.float_weight = None  # the fallback's float32 copy (kernel not built)
         self._bind()
 
     def _bind(self) -> None:
-        """The kernel's view of each part (`qmm_cpu.Weight`), from the buffers as they are now: again whenever
-        they may have been replaced (`.to()`, a copy), so that the kernel never reads another module's memory."""
-        self.weights = [(row, qmm_cpu.Weight(p)) for row, p in self.parts]  # each part with the kernel's arguments
+        """The kernel's view of each part (`qmm_cpu.Weight`, which checks the buffers), from the buffers as they are
+        now: again whenever they may have been replaced (`.to()`, a copy), so that the kernel never reads another
+        module's memory. Where the kernel is not built, the fallback's float32 copy of W is made here (at load)."""
+        self.weights = [(row, qmm_cpu.Weight(p, f"part {i}")) for i, (row, p) in enumerate(self.parts)]
+        self.float_weight = self.float_packed = None  # the fallback's float32 copy [N, K] and oneDNN's packing of it
         # x [M, K] -> float32 [M, N], chosen once for this host and these parts
         if not qmm_cpu.available():
+            self.float_weight = self.dequantize()  # [N, K]
+            self.float_packed = pack_weight(self.float_weight)
             self.multiply = self.multiply_float_copy
         elif len(self.weights) == 1:
             self.multiply = self.multiply_one_part
@@ -200,9 +206,27 @@ class BlockLinear(nn.Module):
     @property
     def parts(self) -> list[tuple[int, Packed]]:
         """(first row, Packed) of each part, over the module's buffers as they are now."""
-        return [(row, Packed(qtype, n, self.in_features,
-                             *(self._buffers.get(f"part{i}_{field}") for field in PACKED_FIELDS)))
+        def field(i: int, name: str):
+            t = self._buffers.get(f"part{i}_{name}")
+            return t.view(torch.float16) if t is not None and name in ("da", "db") else t
+
+        return [(row, Packed(qtype, n, self.in_features, *(field(i, name) for name in PACKED_FIELDS)))
                 for i, (row, qtype, n) in enumerate(self.part_shapes)]
+
+    def select_rows(self, ids) -> "BlockLinear":
+        """A BlockLinear of rows `ids` (ascending) of this one: the same blocks, so the same numbers (a head restricted
+        to a subset of the vocabulary: models/transformer.py `restrict_head`)."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)  # [N']
+        if ids.numel() == 0 or not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError("select_rows takes ascending, distinct row ids")
+        parts, first = [], 0
+        for row, p in self.parts:
+            mine = ids[(ids >= row) & (ids < row + p.n)] - row  # [n'] this part's rows
+            if mine.numel():
+                parts.append((first, select_rows(p, mine)))
+                first += mine.numel()
+        bias = None if self.bias is None else self.bias.detach()[ids].clone()
+        return BlockLinear(parts, bias, self.format)
 
     def extra_repr(self) -> str:
         types = "+".join(p.qtype for _, p in self.parts)
@@ -239,9 +263,18 @@ class BlockLinear(nn.Module):
         return out
 
     def multiply_float_copy(self, x2: torch.Tensor) -> torch.Tensor:
-        if self.float_weight is None:
-            self.float_weight = self.dequantize()  # [N, K]
-        return x2.float() @ self.float_weight.t()  # [M, N]
+        """The fallback where the kernel is not built: the activations as the kernel multiplies them (int8 per block
+        of 32 times its scale, `qmm_cpu.activations_as_multiplied`, rounded to float32) times the float32 copy of W,
+        through bi_matmul's batch-invariant linear: each row on its own, so greedy output still equals AR (other bits
+        than the kernel's, which it approximates to float32 rounding)."""
+        xs = qmm_cpu.activations_as_multiplied(x2).float()  # [M, K]
+        return bi_linear(xs, self.float_weight, None, packed=self.float_packed)  # [M, N]
+
+    @property
+    def float_copy_bytes(self) -> int:
+        """Bytes the fallback's float32 copies take (0 where the kernel runs)."""
+        return sum(t.numel() * t.element_size() for t in (self.float_weight, self.float_packed)
+                   if isinstance(t, torch.Tensor))
 
     def forward(self, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
         """y [..., N] in x's dtype. One path for every row count (see the class docstring); `backend`: the
@@ -301,12 +334,16 @@ def embedding_rows(embedding: nn.Module, index) -> torch.Tensor:
 class QuantRows:
     """The quantized rows of one weight, filled a chunk of rows at a time (rows of fused parts included).
 
-    On the CPU (`blocks`) the rows are kept as models/ggml_blocks.py's decomposed blocks, a run of rows of one
-    type at a time (a GGUF's blocks as stored: `add_blocks`; float rows quantized to Q4_1 (int4) or Q8_0 (int8,
-    and `AS_STORED`'s float tensors): `add_float`), packed into a `BlockLinear` by `module`. Elsewhere, int4 /
-    int8 codes for the GPU layout's `QuantLinear` (`add_codes`)."""
+    On the CPU (`blocks`) the rows become models/ggml_blocks.py's packed tiles as they arrive: each part (a run
+    of rows of one block type: a GGUF's blocks as stored, `add_blocks`; float rows quantized to Q4_1 (int4) or
+    Q8_0 (int8, and `AS_STORED`'s float tensors), `add_float`) has its final buffers, filled a whole tile of 16
+    rows at a time (the rows of a tile that arrive in two chunks wait, decomposed, for the rest), so that the
+    decomposed form of at most one chunk is ever held, and `module` only wraps the buffers in a `BlockLinear`.
+    `types`: (first row, rows, block type) of each run of rows, covering the weight (default: one run of the
+    type `add_float` makes). Elsewhere, int4 / int8 codes for the GPU layout's `QuantLinear` (`add_codes`)."""
 
-    def __init__(self, fmt: str, shape: tuple[int, int], name: str, check: bool = False, device="cpu"):
+    def __init__(self, fmt: str, shape: tuple[int, int], name: str, check: bool = False, device="cpu",
+                 types: list[tuple[int, int, str]] | None = None):
         N, K = shape
         self.blocks = self.uses_blocks(device, fmt)
         if (fmt == "int4" or self.blocks) and K % GROUP:
@@ -316,7 +353,7 @@ class QuantRows:
         self.check = check  # `check_weights`: NaN/inf in a part's floats (or a block's scales) is an error
         self.check_s = 0.0
         if self.blocks:
-            self.runs: list[tuple[int, str, Decomposed]] = []  # (first row, block type, rows)
+            self._plan_parts(name, N, [(0, N, self.float_type(fmt))] if types is None else types)
             return
         groups = K // GROUP if fmt == "int4" else 1
         self.codes = torch.empty(N, K, dtype=torch.uint8 if fmt == "int4" else torch.int8)
@@ -328,12 +365,37 @@ class QuantRows:
         """The CPU kernel's blocks (on the CPU; and a GGUF's as stored), or the GPU layout's codes."""
         return torch.device(device).type == "cpu" or fmt == AS_STORED
 
+    @staticmethod
+    def float_type(fmt: str) -> str:
+        """The block type float rows become on the CPU (`add_float`)."""
+        return REQUANTIZED_AS.get(fmt, "Q8_0")
+
+    def _plan_parts(self, name: str, n: int, types) -> None:
+        """The parts (first row, rows, block type): consecutive runs of `types` of one type joined; each part's
+        packed buffers (allocated at its first packed tiles), its waiting rows and its count of tiles written."""
+        parts: list[tuple[int, int, str]] = []
+        for first, rows, qtype in sorted(types):
+            expected = parts[-1][0] + parts[-1][1] if parts else 0
+            if first != expected or rows <= 0:
+                raise ValueError(f"{name}: the block types of rows {expected}.. are not given (a run of {rows} "
+                                 f"rows at {first})")
+            if parts and parts[-1][2] == qtype:
+                parts[-1] = (parts[-1][0], parts[-1][1] + rows, qtype)
+            else:
+                parts.append((first, rows, qtype))
+        if (parts[-1][0] + parts[-1][1] if parts else 0) != n:
+            raise ValueError(f"{name}: the block types given cover {sum(p[1] for p in parts)} of {n} rows")
+        self.part_rows = parts
+        self.packed: list[Packed | None] = [None] * len(parts)  # each part's final buffers (None: no tile yet)
+        self.waiting: list[dict[int, list]] = [{} for _ in parts]  # per part: tile -> [(row in part, Decomposed)]
+        self.tiles_written = [0] * len(parts)
+
     def add_float(self, first: int, w: torch.Tensor, label: str | None = None) -> None:
         """Quantize float rows w [r, K] into rows first..first+r-1 (`label`: the source tensor, for errors)."""
         if self.check:
             self.check_s += check_finite(w, label or self.name)
         if self.blocks:
-            qtype = REQUANTIZED_AS.get(self.fmt, "Q8_0")
+            qtype = self.float_type(self.fmt)
             self.add_blocks(first, quantize_rows(w, qtype), qtype)
         elif self.fmt == "int4":
             self.add_codes(first, *quantize_int4_rows(w))
@@ -341,11 +403,61 @@ class QuantRows:
             self.add_codes(first, *quantize_int8_rows(w))
 
     def add_blocks(self, first: int, rows: Decomposed, qtype: str, label: str | None = None) -> None:
-        """Rows first..first+r-1 as decomposed blocks of `qtype` (a GGUF's, as stored)."""
+        """Rows first..first+r-1 as decomposed blocks of `qtype` (a GGUF's, as stored), packed into their
+        part's tiles: the whole tiles among them at once, the rows of a tile shared with another chunk when
+        the tile is complete."""
         if self.check and label is not None:
             self.check_s += sum(check_finite(t.float(), label) for t in (rows.da, rows.db) if t is not None)
-        self.runs.append((first, qtype, rows))
-        self.filled += rows.u.shape[0]
+        r = rows.u.shape[0]
+        index = next((i for i, (start, n, _) in enumerate(self.part_rows) if start <= first < start + n), None)
+        if index is None or first + r > sum(self.part_rows[index][:2]) or self.part_rows[index][2] != qtype:
+            raise ValueError(f"{self.name}: rows {first}..{first + r - 1} of {qtype} do not fit the parts "
+                             f"{self.part_rows}")
+        start, n, _ = self.part_rows[index]
+        lo, hi = first - start, first - start + r  # rows within the part
+        a = min(-(-lo // TILE_ROWS) * TILE_ROWS, hi)  # the first tile boundary at or after lo
+        b = hi if hi == n else max(a, hi // TILE_ROWS * TILE_ROWS)  # whole tiles: rows a..b-1
+        if a < b:
+            self._write_tiles(index, a // TILE_ROWS, pack(self._rows_of(rows, a - lo, b - lo), qtype))
+        for w0, w1 in ((lo, a), (b, hi)):  # rows of a tile only partly in this chunk: each within one tile
+            if w0 < w1:
+                self._wait(index, w0, self._rows_of(rows, w0 - lo, w1 - lo, copy=True))
+        self.filled += r
+
+    def _wait(self, index: int, row: int, rows: Decomposed) -> None:
+        """Rows row.. of part `index` (within one tile) wait for the rest of their tile; a complete tile is
+        packed (its rows in order) and written."""
+        tile = row // TILE_ROWS
+        start, n, qtype = self.part_rows[index]
+        waiting = self.waiting[index].setdefault(tile, [])
+        waiting.append((row, rows))
+        if sum(d.u.shape[0] for _, d in waiting) < min(TILE_ROWS, n - tile * TILE_ROWS):
+            return
+        del self.waiting[index][tile]
+        fields = zip(*(d for _, d in sorted(waiting, key=lambda w: w[0])))  # per field: its pieces in row order
+        joined = Decomposed(*(None if pieces[0] is None else torch.cat(pieces) for pieces in fields))
+        self._write_tiles(index, tile, pack(joined, qtype))
+
+    def _write_tiles(self, index: int, tile: int, chunk: Packed) -> None:
+        """Packed tiles `chunk` into part `index`'s buffers from tile `tile` on (the buffers allocated at the
+        first chunk, each field [tiles, ...] as the chunk's)."""
+        start, n, qtype = self.part_rows[index]
+        tensors = {f: x for f, x in zip(chunk._fields, chunk) if isinstance(x, torch.Tensor)}
+        count = next(iter(tensors.values())).shape[0]
+        if self.packed[index] is None:
+            tiles = -(-n // TILE_ROWS)
+            self.packed[index] = chunk._replace(n=n, **{f: torch.empty((tiles, *x.shape[1:]), dtype=x.dtype)
+                                                        for f, x in tensors.items()})
+        packed = self.packed[index]
+        for f, x in tensors.items():
+            getattr(packed, f)[tile: tile + count] = x
+        self.tiles_written[index] += count
+
+    @property
+    def complete(self) -> bool:
+        if self.blocks:
+            return self.tiles_written == [-(-n // TILE_ROWS) for _, n, _ in self.part_rows]
+        return self.filled >= self.shape[0]
 
     def add_codes(self, first: int, codes, scales, zeros=None, label: str | None = None) -> None:
         """Rows already quantized in this format (a GGUF's Q4 blocks): codes [r, K], scales (and zeros)."""
@@ -358,30 +470,22 @@ class QuantRows:
             self.zeros[first: first + r] = zeros
         self.filled += r
 
-    @property
-    def complete(self) -> bool:
-        return self.filled >= self.shape[0]
-
     def module(self, bias=None, device="cpu") -> nn.Module:
         if self.blocks:
-            return BlockLinear(self._parts(), bias, self.fmt)
+            if not self.complete:
+                raise QuantizationError(f"{self.name}: {self.filled} of {self.shape[0]} rows written")
+            parts = [(start, packed) for (start, _, _), packed in zip(self.part_rows, self.packed)]
+            self.packed = [None] * len(parts)  # the module holds them now
+            return BlockLinear(parts, bias, self.fmt)
         dev = torch.device(device)
         zeros = None if self.zeros is None else self.zeros.to(dev)
         return QuantLinear(self.fmt, self.codes.to(dev), self.scales.to(dev), zeros, bias)
 
-    def _parts(self) -> list[tuple[int, Packed]]:
-        """The runs in row order, consecutive runs of one type joined, each packed."""
-        runs = sorted(self.runs, key=lambda run: run[0])
-        self.runs = []
-        parts, group = [], []
-        for i, run in enumerate(runs):
-            group.append(run)
-            if i + 1 == len(runs) or runs[i + 1][1] != run[1]:
-                fields = zip(*(rows for _, _, rows in group))  # per field: its tensors, run by run
-                joined = Decomposed(*(None if ts[0] is None else torch.cat(ts) for ts in fields))
-                parts.append((group[0][0], pack(joined, run[1])))
-                group = []
-        return parts
+    @staticmethod
+    def _rows_of(rows: Decomposed, first: int, last: int, copy: bool = False) -> Decomposed:
+        """Rows first..last-1 of a decomposed chunk: views, or copies (`copy`: rows that wait must not keep
+        their whole chunk alive)."""
+        return Decomposed(*(None if x is None else x[first:last].clone() if copy else x[first:last] for x in rows))
 
 
 def quantized_parameters(model: nn.Module, fmt: str) -> dict[str, str]:
@@ -423,7 +527,9 @@ def install_quantized(model: nn.Module, rows: dict[str, QuantRows], floats: dict
 def release_freed_memory() -> None:
     """Hand the loader's freed temporaries back to the system (glibc keeps freed heap memory, and after large
     frees it raises its mmap threshold, so chunk-sized temporaries land on the heap): measured on the Qwen2.5
-    1.5B Q4_K_M file, resident memory after loading 2.53 -> 1.60 GB. A no-op where there is no glibc."""
+    1.5B Q4_K_M file, resident memory after loading 2.53 -> 1.60 GB. The GGUF loader calls it after each
+    quantized tensor too (SmolLM2's peak while loading 1.26x -> 1.17x its file). A no-op where there is no
+    glibc."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -450,8 +556,10 @@ def finish_loading(model: nn.Module, floats: dict, rows: dict[str, QuantRows], t
     model.quantize = quantize if rows else None
     release_freed_memory()
     if any(part.blocks for part in rows.values()) and not qmm_cpu.available():
-        print(f"specdec: {qmm_cpu.unavailable_reason()}; multiplying float32 copies of the quantized weights "
-              f"instead (slower, more memory)", file=sys.stderr)
+        copies = sum(m.float_copy_bytes for m in model.modules() if isinstance(m, BlockLinear))
+        print(f"specdec: {qmm_cpu.unavailable_reason()}; multiplying float32 copies of the quantized weights instead "
+              f"({copies / 2**30:.2f} GiB, made at load), each row on its own (greedy output still equals AR) but "
+              f"slower and in other bits than the kernel's", file=sys.stderr)
     if rows:  # see the module docstring ("Exactness"): the ops around the bfloat16 roundings must be invariant
         model.batch_invariant = True
     return model.eval()

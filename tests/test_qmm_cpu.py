@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from specdec.kernels import qmm_cpu
-from specdec.models import quant
 from specdec.models.ggml_blocks import TYPES, decompose, dequantize, pack
 from specdec.models.quant import BlockLinear, QuantEmbedding
 from test_ggml_blocks import random_raw
@@ -48,19 +47,32 @@ def test_kernel_equals_its_reference(qtype):
     y = qmm_cpu.qmm(x, p)
     assert y.shape == (5, 37) and y.dtype == torch.float32
     assert_near_reference(y, x, p)
+    for isa in HOST_ISAS:  # each variant on its own (the scalar one is the others' spec)
+        assert_near_reference(qmm_cpu.qmm(x, p, isa=isa), x, p)
+
+
+# every row-block size of every variant: AVX-512 passes of 16 rows then one of the remaining 1..15 (M = 1..17,
+# 31..33: every remainder, one and two full passes, a full pass then 1 and 15); AVX2 passes of 4 then one of 1..3
+ROW_COUNTS = (*range(1, 18), 31, 32, 33)
 
 
 @pytest.mark.parametrize("qtype", sorted(TYPES))
-def test_every_instruction_set_gives_the_scalar_bits(qtype):
-    """The AVX2 and AVX-512 variants perform the scalar variant's float operations, in its order."""
+def test_every_instruction_set_gives_the_scalar_bits_at_every_row_block_size(qtype):
+    """The AVX2 and AVX-512 variants perform the scalar variant's float operations, in its order, in every row
+    block they have: for each M of ROW_COUNTS the rows of an M-row call (the first M rows, and the last M) are,
+    on every instruction set the host runs, the bits of the same rows computed alone by the scalar variant."""
     p = packed_weight(qtype)
-    x = activations(11, 512)  # 11 rows: every row block size of each variant (8 + 2 + 1, 4 + 4 + 2 + 1)
-    scalar = qmm_cpu.qmm(x, p, isa="scalar")
-    for isa in HOST_ISAS[1:]:
-        assert torch.equal(qmm_cpu.qmm(x, p, isa=isa).view(torch.int32), scalar.view(torch.int32)), isa
+    x = activations(33, 512)  # [33, 512]
+    alone = torch.cat([qmm_cpu.qmm(x[i: i + 1], p, isa="scalar") for i in range(33)]).view(torch.int32)
+    assert torch.equal(qmm_cpu.qmm(x, p, isa="scalar").view(torch.int32), alone)
+    for isa in HOST_ISAS:
+        for m in ROW_COUNTS:
+            for first in {0, 33 - m}:
+                got = qmm_cpu.qmm(x[first: first + m], p, isa=isa).view(torch.int32)  # [m, 37]
+                assert torch.equal(got, alone[first: first + m]), f"{isa}, M = {m} from row {first}"
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"])
 def test_a_row_has_the_same_bits_alone_and_in_any_batch(qtype):
     p = packed_weight(qtype, n=64)
     x = activations(48, 512)
@@ -125,38 +137,3 @@ def test_block_linear_of_parts_of_two_types_is_its_dequantized_weight_times_x():
     emb = QuantEmbedding(layer, torch.float32)
     ids = torch.tensor([[0, 47, 48, 67, 5]])
     assert torch.equal(emb(ids)[0], w[ids[0]])
-
-
-def test_without_the_built_kernel_the_layer_multiplies_a_float_copy(monkeypatch, capsys):
-    parts = [(0, packed_weight("Q8_0", n=20, k=64))]
-    x = activations(2, 64)
-    monkeypatch.setattr(qmm_cpu, "_library", lambda: (None, "the CPU quantized kernel is not built (test)"))
-    assert not qmm_cpu.available()
-    layer = BlockLinear(parts)  # its multiply is chosen for the host when it is built
-    y = layer(x)
-    assert torch.allclose(y, x @ layer.dequantize().t(), rtol=1e-5, atol=1e-5)
-    assert torch.allclose(qmm_cpu.qmm(x, parts[0][1]), qmm_cpu.qmm_reference(x, parts[0][1]))
-    with pytest.raises(RuntimeError, match="not built"):
-        qmm_cpu.qmm(x, parts[0][1], isa="scalar")
-
-
-def test_a_load_without_the_kernel_says_so_in_one_line_and_still_generates(tmp_path, monkeypatch, capsys):
-    gguf = pytest.importorskip("gguf")
-    from checkpoints import build_hf_model
-    from real_model import write_gguf
-    from specdec.models import load_model
-
-    hf = build_hf_model("llama", seed=1, hidden_size=64, intermediate_size=96)
-    path = tmp_path / "tiny-Q8_0.gguf"
-    write_gguf(path, hf.config, hf.state_dict(), qtype=gguf.GGMLQuantizationType.Q8_0)
-    built = load_model(path)
-    assert capsys.readouterr().err == ""
-    monkeypatch.setattr(qmm_cpu, "_library", lambda: (None, "the CPU quantized kernel is not built (test)"))
-    fallback = load_model(path)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not built (test)" in err[0] and "float32 copies" in err[0]
-    ids = torch.tensor([[5, 17, 3, 99]])
-    with torch.no_grad():
-        a = built(ids, built.new_cache(1, 8))
-        b = fallback(ids, fallback.new_cache(1, 8))
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75  # float activations there: near, not equal
