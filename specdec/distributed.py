@@ -283,7 +283,7 @@ def run_distributed(args, sink=None) -> int:
     ray = import_ray()
     block_size = default_block_size(args.method, args.batch_size, args.window_size)
     path = args.prompts or (None if args.prompt else DEFAULT_PROMPTS)
-    chunks, total = plan_chunks(list(args.prompt), path, args.num_prompts, block_size)
+    chunks, total = plan_chunks(list(args.prompt or []), path, args.num_prompts, block_size)
 
     t0 = time.perf_counter()
     owned = connect(ray, args.ray_address)

@@ -6,10 +6,11 @@ specdec/options.py (each option's flag, rule and help are declared there once) p
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
-from .options import AUTO, DTYPES, LOOKUPS, all_fields, check_value, describe, flag_names, option_field
-from .prompts import DEFAULT_DRAFT, DEFAULT_TARGET
+from .options import AUTO, DTYPES, LOOKUPS, Options, all_fields, check_value, describe, flag_names, option_field
+from .prompts import CHAT_TEMPLATE_HELP, DEFAULT_DRAFT, DEFAULT_TARGET
 
 class Parser(argparse.ArgumentParser):
     """argparse's parser with a refusal of one line, `NAME: error: MESSAGE (`PROG --help` lists the flags)`, exit 2
@@ -28,10 +29,11 @@ def program_name(prog: str) -> str:
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """`--help` with '(default: X)' only where there is a plain default the flag's own text does not say: a None
     or False default is said in the text (argparse's formatter printed '(default: None)' after 15 of specdec.run's
-    flags, some after a sentence giving the default)."""
+    flags, some after a sentence giving the default). A default of 0 or 0.0 is a plain default (`0.0 in (None,
+    False)` is true in Python: --temperature and --top-k showed none)."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or "default" in (action.help or "").lower():
+        if action.default is None or action.default is False or "default" in (action.help or "").lower():
             return action.help
         return super()._get_help_string(action)
 
@@ -164,12 +166,15 @@ def add_flag(p, name: str, help: str | None = None, **overrides) -> None:
     p.add_argument(*names, **kw)
 
 
-def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str | None = None) -> None:
-    """The model and engine flags (--target, --draft, --method, -k, ...), shared by every CLI: every option."""
+def add_engine_arguments(p: argparse.ArgumentParser, batch_help: str | None = None,
+                         helps: dict[str, str] | None = None) -> None:
+    """The model and engine flags (--target, --draft, --method, -k, ...), shared by every CLI: every option.
+    `batch_help` / `helps` (option name -> text): a command's own wording of what it does with a flag."""
+    helps = dict(helps or {}, **({"batch_size": batch_help} if batch_help else {}))
     add_flag(p, "target")
     add_flag(p, "draft")
     for f in all_fields():
-        add_flag(p, f.name, batch_help if f.name == "batch_size" else None)
+        add_flag(p, f.name, helps.get(f.name))
 
 
 def checkpoint_pair(args) -> tuple[str, str | None, bool]:
@@ -181,7 +186,7 @@ def checkpoint_pair(args) -> tuple[str, str | None, bool]:
         raise ValueError("--draft needs --target (or give neither: the embedded default pair)")
     target = args.target or DEFAULT_TARGET
     draft = None if args.method == "ar" else (args.draft or (DEFAULT_DRAFT if default_pair else None))
-    if args.method == "ar" and getattr(args, "lookup", None) is not None:
+    if args.method == "ar" and getattr(args, "lookup", None) in LOOKUPS:  # "auto" (the default) means none there
         raise ValueError("--lookup goes with a speculative --method (and a draft model)")
     for name, path in (("--target", target), ("--draft", draft)):
         if path is None or (name == "--draft" and path in LOOKUPS):
@@ -212,3 +217,46 @@ def build_llm(args, **overrides):
     from specdec import LLM
 
     return LLM(**engine_kwargs(args, **overrides))
+
+
+# ------------------------------------------------------------------------- shared by specdec.run and specdec.chat
+def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens_help: str) -> None:
+    """--max-tokens (default None: the command's own default, said in `max_tokens_help`) and the sampling flags,
+    shared by specdec.run and specdec.chat."""
+    p.add_argument("--max-tokens", type=positive_int, help=max_tokens_help)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (rejection sampling "
+                   "keeps the target's distribution exactly)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, help="make sampling reproducible: request i uses seed + i and gets exactly the "
+                   "tokens of target-only AR sampling with that seed, whatever -k (auto too), batch size, method or "
+                   "replica (bitwise in float64; float32/bfloat16 with --batch-invariant). Without it, sampled "
+                   "requests are rejection-sampled: exact in distribution, not reproducible")
+
+
+def add_chat_arguments(p: argparse.ArgumentParser, what: str = "--chat") -> None:
+    """--chat-template and --system, shared by specdec.run (`what`: with --chat) and specdec.chat."""
+    p.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP.format(what=what))
+    p.add_argument("--system", metavar="TEXT", help="a system message before the conversation" +
+                   (f" (with {what})" if what.startswith("--") else ""))
+
+
+SEED_MAX = (1 << 64) - 1  # the largest seed torch.Generator takes
+
+
+def check_sampling_flags(args) -> None:
+    """The sampling flags, refused as SamplingParams would refuse them but naming the flag."""
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 and finite (0 = greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    if not 0 < args.top_p <= 1:  # NaN fails this too
+        raise ValueError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
+    if args.seed is not None and not -(1 << 63) <= args.seed <= SEED_MAX:
+        raise ValueError(f"--seed must be an integer in [-2**63, 2**64 - 1], got {args.seed}")
+
+
+def k_max_of(args) -> int:
+    """The most drafts a step may have in flight with these flags (0 for AR), by the options' own rule."""
+    return Options.build(method=args.method, num_speculative_tokens=args.num_speculative_tokens,
+                         max_speculative_tokens=args.max_speculative_tokens).speculation.k_max

@@ -95,3 +95,21 @@ def read_prompts(path: str) -> list[str]:
     if not prompts:
         raise ValueError(f"{path}: no prompts in file")
     return prompts
+
+
+CHAT_TEMPLATE_HELP = ("a Jinja chat template for {what}, replacing the checkpoint's (needed when it has none, as the "
+                      "embedded pair)")
+
+
+def read_chat_template(path: str) -> str:
+    """The text of a --chat-template FILE (ValueError naming the flag and the file when it cannot be read)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template {path}: cannot read it: {e}") from None
+
+
+def set_chat_template(tokenizer, path: str) -> None:
+    """Replace the tokenizer's chat template with the file's (rendered by the same sandboxed Jinja)."""
+    tokenizer.set_chat_template(read_chat_template(path))

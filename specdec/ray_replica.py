@@ -87,11 +87,16 @@ class Replica:
         except (CheckpointError, ValueError, TypeError, OSError) as err:
             self.setup_error = err
 
-    def params(self, index: int):
+    def params(self, index: int, prompt_tokens: int):
+        """Request `index`'s SamplingParams; max_tokens None (--chat's default): until EOS, within the context and
+        CHAT_MAX_TOKENS."""
         from specdec import SamplingParams
+        from specdec.options import chat_answer_tokens
 
         base = self.sampling.get("seed")
-        return SamplingParams(**{**self.sampling, "seed": None if base is None else base + index})
+        most = self.sampling.get("max_tokens") or max(1, chat_answer_tokens(self.llm.max_context, prompt_tokens,
+                                                                            self.llm.options.speculation.k_max))
+        return SamplingParams(**{**self.sampling, "max_tokens": most, "seed": None if base is None else base + index})
 
     def __call__(self, batch: dict):
         import pyarrow as pa
@@ -101,7 +106,7 @@ class Replica:
         indices = [int(i) for i in batch["index"]]
         prompts = [str(p) for p in batch["prompt"]]
         ids = self.llm.encode(prompts, chat=self.chat)
-        params = [self.params(i) for i in indices]
+        params = [self.params(i, len(x)) for i, x in zip(indices, ids)]
         errors = [request_error(self.llm, x, p, i) for x, p, i in zip(ids, params, indices)]
         good = [j for j, e in enumerate(errors) if e is None]
         outputs = {}

@@ -13,41 +13,38 @@ default_wait_policy()  # before anything imports torch
 
 import argparse
 import contextlib
-import math
 import os
 import signal
 import sys
 import threading
 
 from .distributed import add_arguments as add_ray_arguments, wants_ray
-from .flags import (HelpFormatter, Parser, add_engine_arguments, add_threads_argument, build_llm, checkpoint_pair,
-                    positive_int)
+from .flags import (SEED_MAX, HelpFormatter, Parser, add_chat_arguments, add_engine_arguments, add_sampling_arguments,
+                    add_threads_argument, build_llm, check_sampling_flags, checkpoint_pair, k_max_of, positive_int)
+from .preflight import check_max_tokens
+from .options import CHAT_MAX_TOKENS, chat_answer_tokens
 from .output import JsonlOutput, check_paths
-from .prompts import DEFAULT_PROMPTS, read_prompts
-from .summary import metrics_row, summary_table
+from .prompts import DEFAULT_PROMPTS, read_chat_template, read_prompts, set_chat_template
+from .summary import metrics_row, summary_table, weights_summary
+
+
+DESCRIPTION = ("Batch speculative decoding (exact EQSPEC / EXSPEC / ragged) on HF checkpoints of Llama/Vicuna, Qwen3 "
+               "and GLM-4 and GGUF files of Llama, Qwen2/Qwen2.5 and Qwen3 (quantized blocks kept as stored). Without "
+               "--target/--draft it uses the embedded default pair.")
+DEFAULT_MAX_TOKENS = 64  # --max-tokens without --chat (with --chat: until EOS, capped by the context and 2048)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(
-        prog="python -m specdec.run",
-        description="Batch speculative decoding (exact EQSPEC / EXSPEC / ragged) on Llama/Vicuna, Qwen3 and "
-                    "GLM-4 checkpoints. Without --target/--draft it uses the embedded default pair.",
-        formatter_class=HelpFormatter)
+    p = Parser(prog="python -m specdec.run", description=DESCRIPTION, formatter_class=HelpFormatter)
     add_engine_arguments(p)
     add_threads_argument(p)
-    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable). Without --prompt and --prompts: the "
+                   "built-in held-out prompts (specdec/assets/prompts.txt), or with --chat the interactive chat")
     p.add_argument("--prompts", metavar="FILE", help="prompt file: .txt one prompt per line (\\n = newline, "
                    "# = comment), or .jsonl with a 'prompt' field or SpecBench-style 'turns'")
     p.add_argument("--num-prompts", type=positive_int, help="use only the first N prompts")
-    p.add_argument("--max-tokens", type=positive_int, default=64, help="new tokens per prompt at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (rejection sampling "
-                   "keeps the target's distribution exactly)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--seed", type=int, help="make sampling reproducible: request i uses seed + i and gets exactly the "
-                   "tokens of target-only AR sampling with that seed, whatever -k (auto too), batch size, method or "
-                   "replica (bitwise in float64; float32/bfloat16 with --batch-invariant). Without it, sampled "
-                   "requests are rejection-sampled: exact in distribution, not reproducible")
+    add_sampling_arguments(p, f"new tokens per prompt at most (default: {DEFAULT_MAX_TOKENS}; with --chat: until the "
+                           f"answer ends (EOS), capped by the context and by {CHAT_MAX_TOKENS})")
     p.add_argument("--output", metavar="FILE.jsonl", help="one JSON line per request (prompt, text, token ids, "
                    "accepted counts, latency: the text and tokens are reproducible, greedy or with --seed; k, "
                    "acceptance and timings vary from run to run, as auto k measures costs: docs/api.md), streamed "
@@ -60,26 +57,34 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: on with the embedded pair, off otherwise)")
     p.add_argument("--metrics", metavar="FILE.json", help="write the run's metrics (and the AR comparison's) as JSON: "
                    "tokens/s, acceptance, the histogram of chosen k, predicted vs measured step time, latencies")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template (or "
+                   "--chat-template's) as a user turn; without --prompt/--prompts: the interactive chat of python -m "
+                   "specdec.chat (streamed answers, the conversation kept in a prefix cache, /reset, Ctrl-C stops an "
+                   "answer)")
+    add_chat_arguments(p)
     p.add_argument("--samples", type=int, default=3, help="generated samples to print")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_ray_arguments(p)
     return p
 
 
-def check_sampling_flags(args) -> None:
-    """The sampling flags, refused as SamplingParams would refuse them but naming the flag."""
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0 and finite (0 = greedy), got {args.temperature}")
-    if args.top_k < 0:
-        raise ValueError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
-    if not 0 < args.top_p <= 1:  # NaN fails this too
-        raise ValueError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
-    if args.seed is not None and not -(1 << 63) <= args.seed <= SEED_MAX:
-        raise ValueError(f"--seed must be an integer in [-2**63, 2**64 - 1], got {args.seed}")
-
-
-SEED_MAX = (1 << 64) - 1  # the largest seed torch.Generator takes
+def check_chat_flags(args) -> None:
+    """--system and --chat-template go with --chat (the latter read now: a bad file is refused before loading);
+    the interactive chat (--chat without prompts) writes no files and compares nothing."""
+    for flag, value in (("--system", args.system), ("--chat-template", args.chat_template)):
+        if value is not None and not args.chat:
+            raise ValueError(f"{flag} goes with --chat (it shapes the chat template's prompt)")
+        if value is not None and wants_ray(args):
+            raise ValueError(f"{flag} is not passed to --ray replicas (they use the checkpoint's chat template)")
+    if args.chat_template:
+        read_chat_template(args.chat_template)
+    if args.chat and not args.prompt and not args.prompts:
+        given = [flag for flag, value in (("--output", args.output), ("--metrics", args.metrics),
+                                          ("--compare-ar", args.compare_ar), ("--num-prompts", args.num_prompts),
+                                          ("--ray", wants_ray(args))) if value]
+        if given:
+            raise ValueError(f"{given[0]} needs prompts (--prompt/--prompts): --chat without them is the interactive "
+                             f"chat, which writes no files")
 
 
 def check_seed_range(seed: int | None, prompts: int) -> None:
@@ -100,7 +105,7 @@ def run(args, sink: JsonlOutput | None = None) -> int:
         from .distributed import run_distributed
         return run_distributed(args, sink)
     device = resolve_device(args.device, name="--device")
-    prompts = list(args.prompt)
+    prompts = list(args.prompt or [])
     if args.prompts:
         prompts += read_prompts(args.prompts)
     if not prompts:
@@ -114,11 +119,20 @@ def run(args, sink: JsonlOutput | None = None) -> int:
     if llm.tokenizer is None:
         raise ValueError(f"--target {target}: no tokenizer (tokenizer.model, tokenizer.json or GGUF tokenizer metadata), "
                          "cannot encode text prompts")
-    ids = llm.encode(prompts, chat=args.chat)
+    if args.chat_template:
+        set_chat_template(llm.tokenizer, args.chat_template)
+    if args.chat:
+        from .chat import chat_messages, chat_prompt_ids
+
+        ids = [chat_prompt_ids(llm.tokenizer, chat_messages(args.system, p), "--chat") for p in prompts]
+    else:
+        ids = llm.encode(prompts)
     check_seed_range(args.seed, len(ids))
-    params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                             top_p=args.top_p, seed=None if args.seed is None else args.seed + i)
-              for i in range(len(ids))]
+    k_max = llm.options.speculation.k_max  # with --chat and no --max-tokens: each answer until EOS, within the context
+    params = [SamplingParams(max_tokens=args.max_tokens or max(1, chat_answer_tokens(llm.max_context, len(p), k_max)),
+                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                             seed=None if args.seed is None else args.seed + i)
+              for i, p in enumerate(ids)]
     show = not args.no_progress
     ar = None
     if compare and args.method != "ar":  # AR with the same (already loaded) target, warmed up like the rest
@@ -163,13 +177,11 @@ def run(args, sink: JsonlOutput | None = None) -> int:
     if llm.chooser is not None and m.measured_step_s:
         print(f"k chosen per step: {dict(sorted(m.k_histogram.items()))}; cost model predicted "
               f"{m.predicted_step_s:.2f} s of step time, measured {m.measured_step_s:.2f} s")
-    setup = f" (+ {m.calibration_s:.2f} s of start-up measurement, not counted)" if m.calibration_s >= 0.01 else ""
-    print(f"\n{plural(m.num_requests, 'request')}, {plural(m.generated_tokens, 'token')} in {m.wall_time_s:.2f} s"
-          f"{setup}; "
+    print(f"\n{plural(m.num_requests, 'request')}, {plural(m.generated_tokens, 'token')} in {m.wall_time_s:.2f} s; "
           f"target forwards {m.target_forwards}, draft forwards {m.draft_forwards}; {weights_summary(llm, args)}, "
           f"device {device_summary(llm.device, args.device)}, {threads}")
-    if llm.startup.summary_line():  # what the start-up measurement timed (or read from its cache), and its cost
-        print(llm.startup.summary_line())
+    for line in llm.startup.summary_lines():  # its one figure, then what it timed (or read from its cache)
+        print(line)
     if args.check_weights:
         seconds = sum(getattr(model, "weights_check_s", None) or 0.0 for model in (llm.target, llm.draft))
         print(f"Weights checked finite (no NaN/inf) in {seconds:.2f} s")
@@ -248,31 +260,6 @@ def error_line(err: BaseException) -> str:
     return line
 
 
-def weights_summary(llm, args) -> str:
-    """What the target's weights are, for the summary: 'dtype float32', or its quantized format beside the
-    activations' dtype ('weights Q4_K+Q6_K as stored, activations float32')."""
-    from specdec.models.quant import QUANTIZED_LINEAR
-
-    fmt = getattr(llm.target, "quantize", None)
-    dtype = args.dtype or "float32"
-    if not fmt:
-        return f"dtype {dtype}"
-    types = sorted({p.qtype for m in llm.target.modules() if isinstance(m, QUANTIZED_LINEAR)
-                    for _, p in getattr(m, "parts", ())})
-    kind = "+".join(types) + (" as stored" if fmt == "gguf" else f" (--quantize {fmt})") if types else fmt
-    return f"weights {kind}, activations {dtype}, {forward_summary(llm.target)}"
-
-
-def forward_summary(model) -> str:
-    """Which forward runs the model: 'native forward (avx512-vnni)', or 'torch forward (why not native)'."""
-    from specdec.kernels import qmm_cpu
-
-    if getattr(model, "native", None) is not None:
-        return f"native forward ({qmm_cpu.host_isa()})"
-    reason = getattr(model, "native_reason", None)
-    return f"torch forward ({reason})" if reason else "torch forward"
-
-
 def main(argv=None) -> int:
     sink = None
     previous = None
@@ -284,6 +271,15 @@ def main(argv=None) -> int:
             keep_stdout_closed_safely(args)
         target, draft, _ = checkpoint_pair(args)
         check_sampling_flags(args)
+        check_chat_flags(args)
+        if args.chat and not args.prompt and not args.prompts:  # the interactive chat (python -m specdec.chat)
+            from .chat import chat
+
+            return chat(args, "specdec.run")
+        if args.max_tokens is None and not args.chat:
+            args.max_tokens = DEFAULT_MAX_TOKENS
+        if args.max_tokens is not None:  # against the context, from the checkpoints' files: before any weights load
+            check_max_tokens(args.max_tokens, k_max_of(args), target, draft)
         check_paths(args.output, args.metrics, [args.prompts, target, draft])
         sink = JsonlOutput.open(args.output) if args.output else None
         with sink if sink is not None else contextlib.nullcontext():

@@ -15,8 +15,8 @@ one for its models; a call given none makes its own, sharing no warm-up and addi
   model elsewhere), torch's version, the models (`model_identity`: their checkpoint files; model objects are
   not cached), dtype and torch's thread count, then the measurement's own shape. A measurement may check a
   cached entry before it is trusted (auto k and the thread count time a spot check, `within_factor`).
-- **Summary.** Each measurement records what it found and how long it took, cached or not; `summary_line`
-  is the run summary's line.
+- **Summary.** Each measurement records what it found and how long it took, cached or not; `summary_lines`
+  are the run summary's lines: the one figure (every measurement's seconds) and a line per finding.
 """
 from __future__ import annotations
 
@@ -91,8 +91,11 @@ def forward_variant(model) -> str:
     compiled = getattr(model, "compiled_forward", None) is not None and not invariant  # the mode runs eager
     packed = bool(getattr(model, "packed_linear", False)) and not invariant and not compiled
     quantized = getattr(model, "quantize", None)  # int8 / int4 weights (models/quant.py) cost other times
-    parts = ["compiled" if compiled else "eager", "+graphs" if graphs else "", "+batch-invariant" if invariant else "",
-             "+packed" if packed else "", f"+{quantized}" if quantized else ""]
+    native = getattr(model, "native", None) is not None  # the native CPU forward (models/native.py)
+    head = getattr(model, "head_ids", None)  # a head restricted to a subset of the vocabulary (restrict_head)
+    parts = ["native" if native else "compiled" if compiled else "eager", "+graphs" if graphs else "",
+             "+batch-invariant" if invariant and not native else "", "+packed" if packed else "",
+             f"+{quantized}" if quantized else "", f"+head{head.numel()}" if head is not None else ""]
     return "".join(parts)
 
 
@@ -160,7 +163,7 @@ class Measured(NamedTuple):
 
 class StartupMeasurement:
     """The start-up measurement of one `LLM` (or program): `time_forward` warms each model up once per way it
-    runs, `measure` reads or takes a measurement through the one cache file, `summary_line` says what was
+    runs, `measure` reads or takes a measurement through the one cache file, `summary_lines` say what was
     measured.
     `cache_path`: the cache file (None: `default_cache_path()`, "": none)."""
 
@@ -211,17 +214,17 @@ class StartupMeasurement:
         """Wall seconds of every measurement so far, cached ones (their reads and spot checks) included."""
         return sum(r.seconds for r in self.records)
 
-    def summary_line(self) -> str:
-        """One line for the run summary: what each measurement found, "(cached)" where read from the cache,
-        and the seconds they took (of them, the cached ones'); "" when nothing was measured."""
+    def summary_lines(self) -> list[str]:
+        """The run summary's lines: `start-up measurement: S s (not counted in tokens/s or latencies)` (the one
+        figure: every measurement's seconds, the cached ones' reads and spot checks included), then one indented
+        line per finding (the thread count, the batch-invariant cost, each auto-k cost table), "(cached)" where
+        read from the cache; [] when nothing was measured."""
         if not self.records:
-            return ""
+            return []
         said, seen = [], set()  # each finding once: one read back later in the run (its key again) is not repeated
         for r in self.records:
             ident = r.key if r.key is not None else r.result
             if ident not in seen:
                 seen.add(ident)
-                said.append(r.result + (" (cached)" if r.cached else ""))
-        found = "; ".join(said)
-        cached = sum(r.seconds for r in self.records if r.cached)
-        return f"start-up measurement: {found}; {self.seconds:.2f} s (cached: {cached:.2f} s)"
+                said.append("  " + r.result + (" (cached)" if r.cached else ""))
+        return [f"start-up measurement: {self.seconds:.2f} s (not counted in tokens/s or latencies)", *said]

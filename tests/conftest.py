@@ -6,11 +6,19 @@ every `LLM` a test builds without saying otherwise checks invariants after each 
 (`SPECDEC_TEST_CHECK_INVARIANTS=0` turns that off), and `SPECDEC_TEST_COMPILE=1` builds them all with
 `compile=True` (a whole suite compiled: docs/api.md, `compile`)."""
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# auto k's cost cache (and anything else under the cache home) stays out of the user's home directory
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specdec-tests-cache-")
+# One folder for everything the session writes outside tmp_path, removed when the session ends (pytest_unconfigure,
+# also after --collect-only): auto k's cost cache (the cache home: out of the user's home directory), Ray's session
+# folders (ray.init writes $RAY_TMPDIR/ray/session_*, else /tmp/ray) and torch.compile's caches. The subprocesses
+# the tests start inherit the variables, so they write there too. (pytest's own tmp_path folders live under
+# pytest-of-<user> in the temp directory, which pytest reuses and prunes itself.)
+SESSION_DIR = tempfile.mkdtemp(prefix="specdec-tests-")
+os.environ["XDG_CACHE_HOME"] = os.path.join(SESSION_DIR, "cache")
+os.environ["RAY_TMPDIR"] = SESSION_DIR  # short: Ray's socket paths under it must stay under 107 bytes
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(SESSION_DIR, "torchinductor")
 
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -54,6 +62,11 @@ torch.set_num_threads(1)
 
 
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    """The session's folder goes with the session (whatever ran: a test that started Ray shuts it down first)."""
+    shutil.rmtree(SESSION_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

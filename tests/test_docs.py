@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", "docs/api.md", "docs/design.md", "docs/distributed.md", "docs/serve.md", "docs/exspec.md",
         "docs/default_pair.md", "docs/kernels.md", "docs/feature_draft.md", "docs/train.md"]
 # our user-facing command lines (python -m MODULE)
-CLIS = ["specdec.run", "specdec.serve", "specdec.convert", "specdec.train"]
+CLIS = ["specdec.run", "specdec.serve", "specdec.chat", "specdec.convert", "specdec.train"]
 SERVE_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("fastapi", "uvicorn"))  # the serve extra
 # flags of other programs the docs show in their commands
 OTHER_TOOLS = {

@@ -1,6 +1,7 @@
 """One way from flags to an engine (specdec/flags.py): every engine flag reaches `LLM`, in one process,
 in the --compare-ar AR run and on --ray replicas; a model object given to `LLM` keeps its packing."""
 import argparse
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -185,5 +186,56 @@ def test_help_gives_a_default_once():
     formatter = parser._get_formatter()
     for action in parser._actions[1:]:
         text = formatter._get_help_string(action)
-        says = action.default in (None, False) or "default" in (action.help or "").lower()
+        says = action.default is None or action.default is False or "default" in (action.help or "").lower()
         assert text.endswith("(default: %(default)s)") != says, action.dest
+
+
+def program_parsers() -> dict:
+    """Every command line's parser, by program (specdec.train's: both kinds' flags)."""
+    from specdec.chat import build_parser as chat_parser
+    from specdec.serve.__main__ import build_parser as serve_parser
+    from specdec.train.__main__ import build_parser as train_parser
+
+    return {"specdec.run": run.build_parser(), "specdec.serve": serve_parser(), "specdec.chat": chat_parser(),
+            "specdec.train": train_parser()}
+
+
+# what a help text says its default is: the word after "default" (", default: X", "Default X:", "(default X;") or
+# before "(default)"; "the default pair / target / draft" (the embedded pair) names no default value
+STATED = re.compile(r"(?i)\bdefault\b(?! pair| target| draft)[:=]?\s+([^\s;,)]+)|(\S+) \(default\)")
+
+
+def stated_defaults(text: str) -> list[str]:
+    return [(a or b).strip("'\".:()") for a, b in STATED.findall(text or "")]
+
+
+def test_no_help_names_a_default_other_than_the_real_one():
+    """Issue 58: --dtype's help said "(default float32; ...)" while its default (None) keeps a GGUF's blocks, and
+    passing float32 dequantizes them; --temperature and --top-k showed no default (0.0 and 0 fell under "a None or
+    False default is said in the text": 0 == False); --prompt showed "(default: [])"; the description named neither
+    GGUF nor Qwen2.5; --device spoke of "a model object", which no command line can give. For every flag of every
+    command line: a default its text states is the real one (a None default is never stated as one of the flag's
+    own choices, which would then have to mean the same), and the suffix the formatter adds is a real value."""
+    for program, parser in program_parsers().items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.help in (None, argparse.SUPPRESS):
+                continue
+            for word in stated_defaults(action.help):
+                if action.default is None or action.default is False:
+                    assert word not in [str(c) for c in action.choices or ()], (program, action.dest, word)
+                else:
+                    assert word == str(action.default), (program, action.dest, word, action.default)
+            if formatter._get_help_string(action) != action.help:  # the formatter's suffix: a plain value
+                assert action.default is not None and action.default is not False and \
+                    not isinstance(action.default, list), (program, action.dest)
+        text = " ".join(parser.format_help().split())
+        for wrong in ("(default: [])", "(default: None)", "(default: False)", "model object", "default float32"):
+            assert wrong not in text, (program, wrong)
+    text = " ".join(run.build_parser().format_help().split())
+    for right in ("0 = greedy; > 0 samples (rejection sampling keeps the target's distribution exactly) (default: "
+                  "0.0)", "keep the k most likely tokens (0 = off) (default: 0)", "GGUF files of Llama, Qwen2/Qwen2.5 "
+                  "and Qwen3", "--dtype, float32 too, asks for float weights"):
+        assert right in text, right
+    assert stated_defaults("x (default float32; y). Default: on. auto (default): z; the default pair") == \
+        ["float32", "on", "auto"]  # (what the rule reads)

@@ -342,10 +342,17 @@ def test_metrics_exposition(server, client):
     assert metric(text, "specdec_speculative_k_count") == metric(text, "specdec_engine_steps_total")
     assert metric(text, "specdec_time_to_first_token_seconds_count") >= 1
     assert metric(text, "specdec_requests_finished_total", 'finish_reason="length"') >= 1
-    # acceptance per drafter: the embedded pair's draft model is the only one
-    assert metric(text, "specdec_spec_decode_drafter_proposed_drafts_total", 'drafter="model"') == metric(
-        text, "specdec_spec_decode_proposed_drafts_total")
+    # acceptance per drafter: the embedded pair's draft model and, free drafts first, the suffix lookup beside it
+    drafters = re.findall(r'^specdec_spec_decode_drafter_proposed_drafts_total\{drafter="([^"]+)"\}', text, re.M)
+    assert set(drafters) <= {"model", "suffix"} and "model" in drafters, drafters
+    assert sum(metric(text, "specdec_spec_decode_drafter_proposed_drafts_total", f'drafter="{d}"')
+               for d in drafters) == metric(text, "specdec_spec_decode_proposed_drafts_total")
     assert 0 < metric(text, "specdec_spec_decode_drafter_acceptance_rate", 'drafter="model"') <= 1
+    # why steps ran without drafts (issue 56): at most the k = 0 steps, each with its reason
+    off = re.findall(r'^specdec_drafting_off_steps_total\{reason="[^"]+"\} (\S+)$', text, re.M)
+    assert sum(float(n) for n in off) <= metric(text, "specdec_speculative_k_bucket", 'le="0.0"')
+    # what runs the target's steps (issue 57): the embedded pair's float weights run the torch forward, no kernel
+    assert re.search(r'^specdec_forward_info\{forward="torch",isa="none",reason="[^"]+"\} 1\.0$', text, re.M), text
 
 
 def test_a_server_drafting_with_suffix_answers_as_ar(tmp_path_factory, template_file):

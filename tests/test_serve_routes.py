@@ -73,7 +73,7 @@ class ScriptedWorker:
 
     def stats(self):
         return {"running": 0, "waiting": 0, "generated_tokens": 0, "proposed_drafts": 0, "accepted_drafts": 0,
-                "steps": 0, "acceptance_rate": 0.0, "k_histogram": {}}
+                "steps": 0, "acceptance_rate": 0.0, "k_histogram": {}, "k0_reasons": {}}
 
     def start(self, loop):
         pass
@@ -291,7 +291,7 @@ def test_the_worker_counts_every_choice_as_a_waiting_request():
     from specdec.serve.worker import EngineWorker
 
     metrics = SimpleNamespace(generated_tokens=0, proposed_drafts=0, accepted_drafts=0, steps=0,
-                              acceptance_rate=0.0, k_histogram={}, drafts_by_drafter={})
+                              acceptance_rate=0.0, k_histogram={}, k0_reasons={}, drafts_by_drafter={})
     added = []
     engine = SimpleNamespace(metrics=metrics, num_waiting=60, add_request=lambda *a, **k: added.append(a))
     worker = EngineWorker(engine, max_waiting=64)

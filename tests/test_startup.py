@@ -176,29 +176,40 @@ def test_another_thread_count_dtype_host_or_model_misses_the_cache(tmp_path, mon
     assert len(json.loads(open(path).read())) == 4  # new entries beside the first ones
 
 
-def test_the_summary_line_says_what_was_measured_and_how_long_it_took(tmp_path, monkeypatch):
+def test_the_summary_gives_one_figure_and_a_line_per_finding(tmp_path, monkeypatch):
+    """Issue 58: the summary gave two start-up figures ("+ 2.64 s of start-up measurement, not counted" and
+    "start-up measurement: ... 5.11 s") and two auto-k tables under one name. Now: one figure, every measurement's
+    seconds (the cached ones' reads and spot checks too), then one line per finding, each cost table named by
+    its batch size and context bucket; "(cached)" where read back."""
     specs = checkpoint(tmp_path, "target"), checkpoint(tmp_path, "draft")
     path = str(tmp_path / "costs.json")
-    assert StartupMeasurement(path).summary_line() == ""  # nothing measured: no line
+    assert StartupMeasurement(path).summary_lines() == []  # nothing measured: no line
     started = time.perf_counter()
     measured = StartupMeasurement(path)
     measure_all(measured, StubModel(), StubModel(), specs, monkeypatch)
     elapsed = time.perf_counter() - started
-    line = measured.summary_line()
-    m = re.fullmatch(r"start-up measurement: threads 2 \(1: ([\d.]+) ms, 2: ([\d.]+) ms\); "
-                     r"batch-invariant cost ([\d.]+)x \(B=2, T=1/4\); "
-                     r"auto-k costs at B=2: target 1-8 tokens, draft 1-32 tokens; ([\d.]+) s \(cached: 0.00 s\)", line)
-    assert m, line
-    one, two, cost, seconds = map(float, m.groups())
+    lines = measured.summary_lines()
+    m = re.fullmatch(r"start-up measurement: ([\d.]+) s \(not counted in tokens/s or latencies\)\n"
+                     r"  threads 2 \(1: ([\d.]+) ms, 2: ([\d.]+) ms\)\n"
+                     r"  batch-invariant cost ([\d.]+)x \(B=2, T=1/4\)\n"
+                     r"  auto-k costs at B=2, context <= 16: target 1-8 tokens, draft 1-32 tokens", "\n".join(lines))
+    assert m, lines
+    seconds, one, two, cost = map(float, m.groups())
     assert one > two >= 1e3 * STEP_S[2] and 0.5 < cost < 2.0  # the stub's steps: 4 ms at 1 thread, 2 ms at 2
     assert 0 < seconds <= elapsed + 0.005 and seconds == pytest.approx(measured.seconds, abs=0.005)  # (rounded)
     cached = StartupMeasurement(path)
     measure_all(cached, StubModel(), StubModel(), specs, monkeypatch)
-    line = cached.summary_line()
-    assert line.count(" (cached)") == 3 and "threads 2 (1: " in line, line
-    assert re.search(r"; ([\d.]+) s \(cached: \1 s\)$", line), line  # every part was read from the cache
+    lines = cached.summary_lines()
+    assert [line.endswith(" (cached)") for line in lines] == [False, True, True, True], lines
+    assert lines[0].startswith("start-up measurement: ") and not any(re.search(r"\d s\b", line) for line in lines[1:])
     measure_all(measured, StubModel(), StubModel(), specs, monkeypatch)  # the same measurements, read back later
-    assert measured.summary_line().count("auto-k costs at B=2") == 1  # each finding said once
+    assert "\n".join(measured.summary_lines()).count("auto-k costs at B=2") == 1  # each finding said once
+    llm = fake_llm(StubModel(), StubModel(), measured)
+    autok.prepare_chooser(llm, autok.make_chooser(llm), [SimpleNamespace(prompt_ids=[5] * 40, params=SimpleNamespace(
+        max_tokens=8))] * 2, *specs, 2)  # another context bucket: another table, its own line
+    tables = [line for line in measured.summary_lines() if "auto-k costs" in line]
+    assert [t.split(":")[0] for t in tables] == ["  auto-k costs at B=2, context <= 16",
+                                                 "  auto-k costs at B=2, context <= 64"], tables
 
 
 def test_measure_reads_checks_runs_and_stores(tmp_path):

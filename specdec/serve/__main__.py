@@ -13,6 +13,7 @@ import sys
 
 from specdec.flags import (HelpFormatter, Parser, add_engine_arguments, add_threads_argument, build_llm,
                            checkpoint_pair, port_number, positive_int)
+from specdec.prompts import CHAT_TEMPLATE_HELP, read_chat_template, set_chat_template  # noqa: F401 (tests' import)
 
 DEFAULT_MODEL_NAME = "default"  # the embedded pair's name, when --served-model-name is not given
 
@@ -30,8 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"--target file or directory name without .gguf, or {DEFAULT_MODEL_NAME!r} for the embedded pair)")
     p.add_argument("--max-waiting", type=positive_int, default=64, help="requests that may wait for a batch row "
                    "(beyond --batch-size running ones); more are refused with 429 and Retry-After")
-    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for /v1/chat/completions, "
-                   "replacing the checkpoint's (needed when it has none)")
+    p.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP.format(what="/v1/chat/completions"))
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGINT/SIGTERM, seconds that running "
                    "requests get to finish before they are aborted")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
@@ -41,19 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "to --max-waiting")
     add_threads_argument(p)
     return p
-
-
-def read_chat_template(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--chat-template {path}: cannot read it: {e}") from None
-
-
-def set_chat_template(tokenizer, path: str) -> None:
-    """Replace the tokenizer's chat template with the file's (rendered by the same sandboxed Jinja)."""
-    tokenizer.set_chat_template(read_chat_template(path))
 
 
 def main(argv=None) -> int:
@@ -95,8 +82,8 @@ def main(argv=None) -> int:
         # one request per row, so auto k calibrates the full batch before the first client arrives
         warm_up(engine, llm.tokenizer.encode("def main():"), SamplingParams(max_tokens=4, temperature=0.0),
                 llm.batch_size)
-        if llm.startup.summary_line():
-            print(f"specdec.serve: {llm.startup.summary_line()}", file=sys.stderr, flush=True)
+        for line in llm.startup.summary_lines():
+            print(f"specdec.serve: {line}", file=sys.stderr, flush=True)
     except (ValueError, OSError) as e:
         close(sockets)
         print(f"specdec.serve: error: {e}", file=sys.stderr)

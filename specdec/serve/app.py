@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
 
+from ..summary import forward_info
 from .metrics import ServerMetrics
 from .protocol import ApiError
 from .routes import Routes
@@ -22,7 +23,7 @@ def build_app(llm, engine, model_name: str, max_waiting: int) -> FastAPI:
     """The server of `engine` (an Engine on `llm`), answering to the model name `model_name`."""
     worker = EngineWorker(engine, max_waiting)
     k_max = llm.options.speculation.k_max
-    metrics = ServerMetrics(worker, k_max)
+    metrics = ServerMetrics(worker, k_max, forward_info(llm.target))
     return app_serving(Routes(worker, metrics, llm.tokenizer, model_name, llm.max_context, k_max))
 
 

@@ -5,7 +5,7 @@ thread takes after every step (`EngineWorker.stats`), so a scrape never reads st
 changing; latencies are observed by the event loop as each request's tokens arrive."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -74,14 +74,24 @@ class EngineCollector:
         yield HistogramMetricFamily("specdec_speculative_k", "Drafts proposed per engine step (k; 0 = a step "
                                     "without the draft)", buckets=buckets,
                                     sum_value=sum(k * n for k, n in counts.items()))
+        off = CounterMetricFamily("specdec_drafting_off_steps", "Engine steps auto k chose without drafts, by why "
+                                  "(specdec/autok.py K0_REASONS)", labels=["reason"])
+        for reason, steps in sorted(stats.get("k0_reasons", {}).items()):
+            off.add_metric([reason], steps)
+        yield off
 
 
 class ServerMetrics:
-    """Every metric of one server, in its own registry."""
+    """Every metric of one server, in its own registry. `forward`: what runs the target's steps, as labels
+    (specdec/summary.py `forward_info`: forward, isa, reason), exposed as `specdec_forward_info`."""
 
-    def __init__(self, worker, k_max: int):
+    def __init__(self, worker, k_max: int, forward: dict[str, str] | None = None):
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(worker, k_max))
+        if forward is not None:
+            Info("specdec_forward", "What runs the target's steps: forward (native: one C++ call a step; torch), the "
+                 "CPU quantized kernel's instruction set (isa: scalar, avx2, avx512-vnni; none where it is not used) "
+                 "and why not native (reason)", registry=self.registry).info(forward)
         self.ttft = Histogram("specdec_time_to_first_token_seconds", "From a request's arrival to its first "
                               "token", buckets=LATENCY_BUCKETS, registry=self.registry)
         self.inter_token = Histogram("specdec_inter_token_latency_seconds", "Time between a request's tokens: "

@@ -112,7 +112,7 @@ class EngineWorker:
         m = self.engine.metrics
         return {"generated_tokens": m.generated_tokens, "proposed_drafts": m.proposed_drafts,
                 "accepted_drafts": m.accepted_drafts, "steps": m.steps, "acceptance_rate": m.acceptance_rate,
-                "k_histogram": dict(m.k_histogram),
+                "k_histogram": dict(m.k_histogram), "k0_reasons": dict(m.k0_reasons),
                 "drafts_by_drafter": {name: tuple(tally) for name, tally in m.drafts_by_drafter.items()},
                 "prefill_chunks": getattr(m, "prefill_chunks", 0), "prefix_cache": self._prefix_stats()}
 
@@ -165,13 +165,15 @@ class EngineWorker:
 
 
 def warm_up(engine, prompt_ids: list[int], params, copies: int) -> None:
-    """Run `copies` short requests through the engine before serving, so that the first clients do not pay
-    for auto k's calibration (at that many rows), lazy allocations or compilation; and every packed linear
-    layer at every row count it will see (`numerics.warm_packed`), so that the server's memory stays flat."""
+    """Run short requests through the engine before serving, one alone and then `copies` together, so that the
+    first clients do not pay for auto k's calibration (its costs at one row, what a single client runs, and at
+    `copies` rows), lazy allocations or compilation; and every packed linear layer at every row count it will see
+    (`numerics.warm_packed`), so that the server's memory stays flat."""
     for model in (engine.llm.target, engine.llm.draft):
         if model is not None:
             warm_packed(model)
-    for i in range(copies):
-        engine.add_request(prompt_ids, params, request_id=f"warm-up-{i}")
-    while engine.has_unfinished():
-        engine.step()
+    for count in sorted({1, copies}):
+        for i in range(count):
+            engine.add_request(prompt_ids, params, request_id=f"warm-up-{count}-{i}")
+        while engine.has_unfinished():
+            engine.step()
