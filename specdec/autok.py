@@ -55,6 +55,16 @@ CATCH_UP_TOKENS = 64  # the draft is also timed at this many tokens per row (cap
 EXPLORE_ACCEPTANCE = 0.8  # exploring is worth it only where a draft accepting this often would pay
 SCALE_WINDOW = 9  # steps in the robust (median) estimate of measured over predicted step time
 ZERO_SAMPLES = 3  # k = 0 steps timed before its scale is trusted (a median of one is the first step's outlier)
+# why a step was chosen without drafts (the summary's and /metrics' words for it)
+DOES_NOT_PAY = "drafting does not pay at the measured costs and acceptance"
+CATCH_UP = "the draft's catch-up would not pay back over the tokens left"
+MEASURING = "timing a step without drafts (the cost model's k = 0)"
+NOTHING_OFFERED = "no row had drafts on offer"
+K0_REASONS = (DOES_NOT_PAY, CATCH_UP, MEASURING, NOTHING_OFFERED)
+CONFIDENCE_BINS = 10  # the draft's top probability, binned: what a draft's acceptance is learned by
+CALIBRATION_PRIOR = 4.0  # pseudo-trials of each bin's prior (acceptance = the bin's probability)
+CALIBRATION_DECAY = 0.995  # per recorded draft: recent acceptance weighs more
+MAX_STOP_THRESHOLD = 0.9  # drafting never stops at a higher chance of acceptance than this
 
 
 # -------------------------------------------------------------------------------------------- cost table
@@ -85,12 +95,15 @@ class CostTable:
         """0 for a proposer without a model (an empty draft table): its proposal costs no forward."""
         return self._interpolate(self.draft, m) if self.draft else 0.0
 
-    def forwards_time(self, B: int, k: int, first_draft_tokens: int = 2) -> float:
-        """Time of the forwards of one step: k drafts (the first feeding `first_draft_tokens` per row)."""
+    def forwards_time(self, B: int, k: int, first_draft_tokens: int = 2, draft_forwards: int | None = None) -> float:
+        """Time of the forwards of one step verifying k drafts: `draft_forwards` draft forwards (default k; more
+        where rows stopped drafting early, the forward that found them unsure included; 0 where a lookup drafted
+        every row), the first feeding `first_draft_tokens` per row, then the target's k + 1 tokens per row."""
+        drafts = k if draft_forwards is None else draft_forwards
         if k == 0:
             return self.target_time(B)
-        return (self.draft_time(B * first_draft_tokens) + (k - 1) * self.draft_time(B)
-                + self.target_time(B * (k + 1)))
+        forwards = (self.draft_time(B * first_draft_tokens) + (drafts - 1) * self.draft_time(B)) if drafts else 0.0
+        return forwards + self.target_time(B * (k + 1))
 
     def as_dict(self) -> dict:
         return {"target": {str(m): t for m, t in sorted(self.target.items())},
@@ -181,17 +194,23 @@ def cache_key(target_id: str, draft_id: str, dtype, device, batch_size: int, k_m
               variant: str = "eager") -> str:
     """The start-up measurement's cache entry of a cost table (`startup.cache_key`: host, models, dtype,
     threads), by the grid's version, the forwards' variants, batch size, k_max and power-of-two context."""
-    context_bucket = 1 << max(context - 1, 1).bit_length()  # costs are cached per power-of-two context
     return startup.cache_key("auto-k", [target_id, draft_id], dtype, device, f"grid=v{COST_MODEL_VERSION}", variant,
-                             f"B={batch_size}", f"k={k_max}", f"ctx={context_bucket}")
+                             f"B={batch_size}", f"k={k_max}", f"ctx={context_bucket(context)}")
 
 
-def describe_costs(table: CostTable, batch_size: int) -> str:
-    """What a cost table holds, for the start-up summary: the forwards' token counts (M) of each model."""
+def context_bucket(context: int) -> int:
+    """The power of two >= `context` (at least 2): a cost table is cached per bucket of contexts."""
+    return 1 << max(context - 1, 1).bit_length()
+
+
+def describe_costs(table: CostTable, batch_size: int, context: int) -> str:
+    """What a cost table holds, for the start-up summary: its batch size and context bucket (a run may measure
+    a table per bucket: each is its own line) and the forwards' token counts (M) of each model."""
     def span(times: dict[int, float]) -> str:
         return f"{min(times)}-{max(times)} tokens" if times else "none (no draft model)"
 
-    return f"auto-k costs at B={batch_size}: target {span(table.target)}, draft {span(table.draft)}"
+    return (f"auto-k costs at B={batch_size}, context <= {context_bucket(context)}: target {span(table.target)}, "
+            f"draft {span(table.draft)}")
 
 
 # ------------------------------------------------------------------------------------------------ chooser
@@ -212,8 +231,13 @@ class KChooser:
         self.zero_streak = 0
         self.zero_timed = 0  # k = 0 steps whose wall time has been observed (ZERO_SAMPLES: its scale is its own)
         self.drafted_since_zero = 0  # steps observed at k > 0 since the last k = 0 step
-        self.last = (0, 0, 2, 0.0)  # the last choice: (B, k, first draft tokens, predicted seconds)
+        self.last = (0, 0, 2, 0.0, None)  # the last step: (B, k, first draft tokens, predicted s, draft forwards)
+        self.reason: str | None = None  # why the last choice was k = 0 (one of K0_REASONS), None where it drafted
         self.key: str | None = None  # the cost cache entry `costs` came from
+        # drafts that stop when unsure: the chance a draft is accepted (its row's drafts before it were) by the draft's
+        # top probability, in CONFIDENCE_BINS bins, [accepted, tried] decayed, from a calibrated prior
+        self.calibration = [[(i + 0.5) / CONFIDENCE_BINS * CALIBRATION_PRIOR, CALIBRATION_PRIOR]
+                            for i in range(CONFIDENCE_BINS)]
 
     # ---------------------------------------------------------------------------------- estimates
     def alpha(self, request) -> float:
@@ -223,8 +247,8 @@ class KChooser:
         pooled = self.pooled[0] / self.pooled[1]
         return min(max((accepted + self.prior_weight * pooled) / (offered + self.prior_weight), 0.0), 0.999)
 
-    def step_time(self, B: int, k: int, first_draft_tokens: int = 2) -> float:
-        return max(self.costs.forwards_time(B, k, first_draft_tokens) * self._scale(B, k), 1e-9)
+    def step_time(self, B: int, k: int, first_draft_tokens: int = 2, draft_forwards: int | None = None) -> float:
+        return max(self.costs.forwards_time(B, k, first_draft_tokens, draft_forwards) * self._scale(B, k), 1e-9)
 
     def _scale(self, B: int, k: int) -> float:
         """Measured step time over the forwards' predicted time, learned online: the rest of the step
@@ -257,14 +281,17 @@ class KChooser:
         """The verify width a step of k has: k, or the longest offer if shorter."""
         return k if offers is None else min(k, max(offers, default=0))
 
-    def rates(self, alphas: list[float], B: int, first_draft_tokens: int = 2, offers=None) -> list[float]:
-        """Expected tokens per second of every k in 0..k_max."""
-        return [self.expected_tokens(alphas, k, offers) / self.step_time(B, self.verify_k(k, offers), first_draft_tokens)
+    def rates(self, alphas: list[float], B: int, first_draft_tokens: int = 2, offers=None,
+              free: bool = False) -> list[float]:
+        """Expected tokens per second of every k in 0..k_max (`free`: drafts that cost no forward, a lookup's)."""
+        return [self.expected_tokens(alphas, k, offers) / self.step_time(B, self.verify_k(k, offers), first_draft_tokens,
+                                                                          0 if free else None)
                 for k in range(self.k_max + 1)]
 
-    def best_k(self, alphas: list[float], B: int, first_draft_tokens: int = 2, least: int = 0, offers=None) -> int:
+    def best_k(self, alphas: list[float], B: int, first_draft_tokens: int = 2, least: int = 0, offers=None,
+               free: bool = False) -> int:
         """The k >= least with the highest expected tokens per second (ties: the smaller k)."""
-        rates = self.rates(alphas, B, first_draft_tokens, offers)
+        rates = self.rates(alphas, B, first_draft_tokens, offers, free)
         return max(range(least, self.k_max + 1), key=lambda k: (rates[k], -k))
 
     def pays_back(self, alphas: list[float], B: int, k: int, first_draft_tokens: int, tokens: int, offers=None) -> bool:
@@ -312,7 +339,8 @@ class KChooser:
         if not self._zero_wins([max(alphas, default=0.0)], B) and not self._zero_wins(alphas, B):
             return False
         self.zero_streak += 1
-        self.last = (B, 0, 2, self.step_time(B, 0))
+        self.last = (B, 0, 2, self.step_time(B, 0), 0)
+        self.reason = DOES_NOT_PAY
         return True
 
     def _zero_wins(self, alphas: list[float], B: int) -> bool:
@@ -321,31 +349,42 @@ class KChooser:
         return not self.best_k(alphas, B) and not self.explores(alphas, B, self.zero_streak + 1,
                                                                  first_draft_tokens=2, tokens=0)
 
-    def choose(self, batch, offers: list[int] | None = None) -> int:
+    def choose(self, batch, offers: list[int] | None = None, free: bool = False) -> int:
         """k for the next step of `batch`; `offers`: the drafts each row has (a lookup proposer), None
-        when every row can offer k (a draft model)."""
+        when every row can offer k (a draft model). `free`: the offers are a lookup's beside a draft model that
+        will not run (every row takes them: proposers/combined.py): a step costs its verify alone."""
         B = len(batch)
         if offers is not None and not any(offers):
-            self.last = (B, 0, 2, self.step_time(B, 0))
+            self.last = (B, 0, 2, self.step_time(B, 0), 0)
+            self.reason = NOTHING_OFFERED
             return 0  # nothing on offer: nothing to weigh (the exploration streak is not advanced either)
+        if free:  # no draft forward, so no catch-up to weigh: the best k of the verify's price alone
+            alphas = [self.alpha(r) for r in batch.requests]
+            k = self.best_k(alphas, B, offers=offers, free=True)
+            self.zero_streak = 0 if k else self.zero_streak + 1
+            width = self.verify_k(k, offers)
+            self.last = (B, width, 2, self.step_time(B, width, 2, 0), 0)
+            self.reason = None if k else DOES_NOT_PAY
+            return k
         # the next draft forward's length (a proposer without a model has no draft cache: no catch-up)
         first = batch.draft_lag()[0] if batch.draft_cache is not None else DRAFT_LAG
         alphas = [self.alpha(r) for r in batch.requests]
         left = sum(max(r.params.max_tokens - len(r.output_ids), 1) for r in batch.requests)  # at most
         k = self.best_k(alphas, B, offers=offers)  # at steady state: a catch-up is paid once, weighed next
+        self.reason = None if k else DOES_NOT_PAY
         if k and first > 2 and not self.pays_back(alphas, B, k, first, left, offers):
-            k = 0
+            k, self.reason = 0, CATCH_UP
         measuring = bool(k) and self.measures_zero()
         if measuring:
-            k = 0
+            k, self.reason = 0, MEASURING
         if k == 0:
             self.zero_streak += 1
             if not measuring and self.explores(alphas, B, self.zero_streak, first, left, offers):
                 k = self.best_k(alphas, B, least=1, offers=offers)
         if k:
-            self.zero_streak = 0
+            self.zero_streak, self.reason = 0, None
         width = self.verify_k(k, offers)
-        self.last = (B, width, first, self.step_time(B, width, first))
+        self.last = (B, width, first, self.step_time(B, width, first), None)
         return k
 
     def measures_zero(self) -> bool:
@@ -358,18 +397,58 @@ class KChooser:
         step costs what an AR step costs."""
         return self.drafted_since_zero >= (self.explore_every if self.zero_timed >= ZERO_SAMPLES else 1)
 
+    def drafted(self, width: int, draft_forwards: int) -> None:
+        """The step chosen last verified `width` drafts after `draft_forwards` draft forwards (fewer than chosen
+        where rows stopped drafting when unsure, or none where a lookup drafted every row): what `observe` prices."""
+        B, _, first, _, _ = self.last
+        self.last = (B, width, first, self.step_time(B, width, first, draft_forwards), draft_forwards)
+
     def observe(self, seconds: float) -> float:
         """The last chosen step's measured wall time refines the cost model's scale (`_scale`). Returns the
         time that was predicted for it."""
-        B, k, first_draft_tokens, predicted = self.last
+        B, k, first_draft_tokens, predicted, draft_forwards = self.last
         if k:
             self.drafted_since_zero += 1
         else:
             self.zero_timed, self.drafted_since_zero = self.zero_timed + 1, 0
         samples = self.scale_samples.setdefault((B, k > 0), deque(maxlen=SCALE_WINDOW))
-        samples.append(seconds / max(self.costs.forwards_time(B, k, first_draft_tokens), 1e-9))
+        samples.append(seconds / max(self.costs.forwards_time(B, k, first_draft_tokens, draft_forwards), 1e-9))
         self.scale[(B, k > 0)] = statistics.median(samples)
         return predicted
+
+    # ------------------------------------------------------------------------- drafts that stop when unsure
+    def calibrated(self, confidence):
+        """The chance a draft is accepted (given its row's drafts before it were), by the draft's top probability
+        `confidence` (a tensor [B]): the bin's learned acceptance."""
+        import torch
+
+        table = torch.tensor([a / n for a, n in self.calibration], dtype=torch.float32)  # [bins]
+        index = (confidence.float() * CONFIDENCE_BINS).long().clamp_(0, CONFIDENCE_BINS - 1)  # [B]
+        return table.to(confidence.device)[index]
+
+    def stop_threshold(self, batch, k: int) -> float:
+        """Where a row stops drafting: the chance that its drafts so far are all accepted below which one more
+        draft does not pay. One more draft forward and one more verified position cost (at this batch's scale)
+        `extra` seconds; a row's next draft adds its chance of acceptance in expected tokens; the step's expected
+        rate is `rate` tokens a second: drafting on pays while chance * B >= rate * extra (the marginal token is
+        worth at least the step's average)."""
+        B = len(batch)
+        if self.costs is None or k < 1:
+            return 0.0
+        alphas = [self.alpha(r) for r in batch.requests]
+        rate = self.expected_tokens(alphas, k) / self.step_time(B, k)
+        extra = (self.costs.draft_time(B) + self.costs.target_time(B * (k + 1))
+                 - self.costs.target_time(B * k)) * self._scale(B, k)
+        return min(max(rate * extra / B, 0.0), MAX_STOP_THRESHOLD)
+
+    def record_confidence(self, confidences: list[list[float]], offered: list[int], counts: list[int]) -> None:
+        """Row i's drafts had top probabilities confidences[i], it offered offered[i] of them and accepted counts[i]:
+        every draft that was tested (those up to the first rejection) calibrates its bin."""
+        for row, length, accepted in zip(confidences, offered, counts):
+            for j, confidence in enumerate(row[:min(length, accepted + 1)]):
+                cell = self.calibration[min(int(confidence * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)]
+                cell[0] = CALIBRATION_DECAY * cell[0] + (j < accepted)
+                cell[1] = CALIBRATION_DECAY * cell[1] + 1
 
     def record_acceptance(self, requests, lengths: list[int], counts: list[int]) -> None:
         """Row i offered lengths[i] drafts and accepted counts[i] of them."""
@@ -388,8 +467,15 @@ class KChooser:
         A subclass (a test's scripted chooser) is copied whole."""
         chooser = copy.deepcopy(self)
         chooser.zero_streak = chooser.drafted_since_zero = chooser.zero_timed = 0
-        chooser.last = (0, 0, 2, 0.0)  # not drafting: the first prefill leaves the draft for the chooser
+        chooser.last = (0, 0, 2, 0.0, None)  # not drafting: the first prefill leaves the draft for the chooser
         return chooser
+
+
+# The answer length costs are measured for when max_tokens is larger: a cap such as a chat's "until EOS, within the
+# context" (thousands of tokens) is no answer length, and timing every shape on top of a prefix of half the context
+# took minutes (SmolLM2, 8k context: 390 s before a chat's first answer; the per-step scale auto k learns corrects
+# the costs of a longer context as it grows).
+ANSWER_GUESS = 128
 
 
 def make_chooser(llm) -> KChooser:
@@ -399,10 +485,11 @@ def make_chooser(llm) -> KChooser:
 
 
 def prepare_chooser(llm, chooser: KChooser, requests, target_spec, draft_spec, batch_size: int) -> None:
-    """Calibrate (or read cached) costs for this batch size and the requests' typical context: once per
-    (batch size, context bucket) in the run, timed and cached by the LLM's start-up measurement (`llm.startup`)."""
+    """Calibrate (or read cached) costs for this batch size and the requests' typical context (the median prompt
+    and half its answer, an answer of max_tokens up to ANSWER_GUESS): once per (batch size, context bucket) in the
+    run, timed and cached by the LLM's start-up measurement (`llm.startup`)."""
     speculation = llm.options.speculation
-    context = int(statistics.median(len(r.prompt_ids) + r.params.max_tokens // 2 for r in requests))
+    context = int(statistics.median(len(r.prompt_ids) + min(r.params.max_tokens, ANSWER_GUESS) // 2 for r in requests))
     context = max(1, min(context, llm.max_context - speculation.k_max - 2))
     # a proposer without a model is named by its kind: the table then holds the target alone
     draft_id = model_identity(llm.draft, draft_spec) if llm.draft is not None else "no-draft-model"
@@ -417,6 +504,6 @@ def prepare_chooser(llm, chooser: KChooser, requests, target_spec, draft_spec, b
         key if None not in ids else None,
         lambda: calibrate(llm.target, llm.draft, batch_size, speculation.k_max, context, llm.vocab_size, measurement),
         decode=CostTable.from_dict,
-        describe=lambda table: describe_costs(table, batch_size), encode=CostTable.as_dict,
+        describe=lambda table: describe_costs(table, batch_size, context), encode=CostTable.as_dict,
         check=lambda table: agrees(table, llm.target, llm.draft, batch_size, context, llm.vocab_size, measurement))
     chooser.key = key

@@ -79,7 +79,7 @@ class Engine:
                                  self.chooser, self.proposer, llm.prefix_cache)
         self.metrics.drafter = None if self.proposer is None else self.proposer.name
         self.scheduler = SCHEDULERS[llm.method](self.ctx, self.batch_size)
-        self._calibrated_rows = 0  # auto k: the batch size its cost table was measured at
+        self._tables: dict[int, tuple] = {}  # auto k: rows -> (cost table, its cache key), each measured once
         self._lock = threading.Lock()
         self._stepping = threading.Lock()
         self._inbox: deque[Request] = deque()  # added since the last step
@@ -229,16 +229,15 @@ class Engine:
         if not live:
             return
         rows = min(self.batch_size, 1 << (live - 1).bit_length())
-        if rows <= self._calibrated_rows:
-            return
-        requests = self.scheduler.running() + queued
-        started = time.perf_counter()
-        prepare_chooser(self.llm, chooser, requests, *self.llm.specs, rows)
-        self.chooser.costs, self.chooser.key = chooser.costs, chooser.key
-        ended = time.perf_counter()
-        self.metrics.calibration_s += ended - started  # start-up work, not decoding time
-        self._calibrated_rows = rows
-        self._exclude_from_request_times(started, ended)
+        if rows not in self._tables:  # the batch that runs now: its own table (a server's one client is batch 1)
+            requests = self.scheduler.running() + queued
+            started = time.perf_counter()
+            prepare_chooser(self.llm, chooser, requests, *self.llm.specs, rows)
+            self._tables[rows] = (chooser.costs, chooser.key)
+            ended = time.perf_counter()
+            self.metrics.calibration_s += ended - started  # start-up work, not decoding time
+            self._exclude_from_request_times(started, ended)
+        self.chooser.costs, self.chooser.key = self._tables[rows]
 
     def _exclude_from_request_times(self, started: float, ended: float) -> None:
         """Keep start-up work (auto k's calibration, from `started` to `ended`) out of every unfinished request's

@@ -12,19 +12,20 @@ from specdec.models import CheckpointError, is_gguf, load_model, load_tokenizer
 from specdec.models.feature_draft import is_feature_draft, load_feature_draft
 from specdec.models.numerics import packing_pays, set_batch_invariant
 
-from . import bi_mode
+from . import bi_mode, preflight
 from .autok import make_chooser
 from .devices import engine_device
 from .drafts import shipped_draft
 from .engine import Engine
 from .metrics import RunMetrics
-from .options import LOOKUPS, Options, positions_needed
+from .options import AUTO, LOOKUPS, Options, positions_needed
 from .memory import HEADROOM, available_bytes
 from .prefix_cache import GIB, PrefixCache, budget_bytes
 from .prompts import DEFAULT_DRAFT, DEFAULT_TARGET
 from .proposers import CombinedProposer, ModelProposer, NgramProposer, SuffixProposer, SuffixStore
 from .sampling import SamplingParams
 from .startup import StartupMeasurement
+from .summary import warn_scalar_kernel
 from .schedulers import SCHEDULERS, SPECULATIVE
 
 METHODS = tuple(SCHEDULERS)
@@ -97,6 +98,9 @@ class LLM:
                 raise ValueError("draft= needs target= (or give neither: the embedded default pair)")
             target = DEFAULT_TARGET
             draft = DEFAULT_DRAFT if speculative and proposer is None else None
+        preflight.check_vocabularies(target, draft if speculative else None)  # from the files, before any weights
+        if (slow := preflight.dtype_warning(load.dtype, self.device)) is not None:
+            print(slow, file=sys.stderr)
         self.target = self._model(target, load.quantize)
         if speculative and draft is None and proposer is None:
             draft = shipped_draft(self.target)
@@ -117,13 +121,18 @@ class LLM:
             self.drafter = "custom"
         if speculative and isinstance(draft, str) and draft in LOOKUPS:
             self.drafter, draft = draft, None
-        if spec.lookup is not None and (not speculative or draft is None):
+        if spec.lookup in LOOKUPS and (not speculative or draft is None):
             raise ValueError("lookup= goes beside a draft model (draft=DIR); to draft from lookups alone pass "
                              f"draft={spec.lookup!r}")
+        # beside a draft model, a lookup's drafts first (free: no draft step); "auto": suffix beside a model
+        self.lookup = spec.lookup if spec.lookup in LOOKUPS else None
+        if spec.lookup == AUTO and speculative and draft is not None and self.drafter is None:
+            self.lookup = DEFAULT_LOOKUP
         # the cross-request part of "suffix", shared by every Engine (and server request) of this LLM
         self.suffix_store = SuffixStore(spec.suffix_store_tokens) if spec.suffix_store_tokens else None
         self.specs = (target, draft)  # what the models were loaded from (auto k caches costs per checkpoint)
         self.draft = self._model(draft, load.draft_quantize) if speculative and draft is not None else None
+        warn_scalar_kernel((self.target, self.draft))  # once a process: the kernel's scalar variant and its cost
         # the start-up measurement (threads, batch-invariant cost, auto k's costs): one warm-up, one cache file
         self.startup = StartupMeasurement(load.cost_cache)
         # True / False / "auto" (specdec/bi_mode.py: on for speculative methods on CUDA where it costs <= 1.15x)
@@ -145,6 +154,8 @@ class LLM:
         self.tokenizer = tokenizer
         if tokenizer is None and isinstance(target, (str, os.PathLike)) and _has_tokenizer(target):
             self.tokenizer = load_tokenizer(target)
+        # the draft head's token subset where it is restricted (specdec/draft_vocab.py), else None
+        self.draft_vocab = None if self.draft is None else self._restrict_draft_head(spec.draft_vocab, draft)
         self.vocab_size = self._shared_vocab(target, draft)
         eos = set(getattr(getattr(self.target, "cfg", None), "eos_token_ids", ()) or ())
         if self.tokenizer is not None:
@@ -189,6 +200,32 @@ class LLM:
                 model.use_graphs(on)
             elif on and cuda_graphs:
                 raise ValueError(f"cuda_graphs=True needs models with use_graphs(); {type(model).__name__} has none")
+
+    def _restrict_draft_head(self, size, draft_spec):
+        """`draft_vocab`: restrict the draft's head to the `size` most frequent tokens of the count shipped for its
+        tokenizer (the target's: the vocabularies are checked equal; specdec/draft_vocab.py); "auto": DEFAULT_SIZE
+        where one ships and the draft was loaded from a file (a model object given directly stays as it is). Returns
+        the subset's ids (None: the full head)."""
+        from specdec import draft_vocab
+
+        if size == 0 or (size == AUTO and not isinstance(draft_spec, (str, os.PathLike))):
+            return None
+        if not hasattr(self.draft, "restrict_head"):
+            if size == AUTO:
+                return None
+            raise ValueError(f"draft_vocab={size}: the draft ({type(self.draft).__name__}) has no restrict_head")
+        tokenizer = self.tokenizer
+        if tokenizer is None and isinstance(draft_spec, (str, os.PathLike)) and _has_tokenizer(draft_spec):
+            tokenizer = load_tokenizer(draft_spec)
+        ids = draft_vocab.subset(tokenizer, draft_vocab.DEFAULT_SIZE if size == AUTO else size,
+                                 self.draft.vocab_size)
+        if ids is None:
+            if size != AUTO and size < self.draft.vocab_size:
+                raise ValueError(f"draft_vocab={size}: no token count ships for the draft's tokenizer "
+                                 f"(python -m specdec.draft_vocab build --model DRAFT makes one)")
+            return None
+        self.draft.restrict_head(ids)
+        return ids
 
     @staticmethod
     def _set_native_forward(model, native: bool) -> None:
@@ -323,10 +360,9 @@ class LLM:
         if self.drafter is not None:
             return self._lookup_proposer(self.drafter)
         model = ModelProposer("feature" if getattr(self.draft, "reads_target_hidden", False) else "model")
-        spec = self.options.speculation
-        if spec.lookup is None:
+        if self.lookup is None:
             return model
-        return CombinedProposer(model, self._lookup_proposer(spec.lookup), spec.lookup_min_match)
+        return CombinedProposer(model, self._lookup_proposer(self.lookup), self.options.speculation.lookup_min_match)
 
     def engine(self, batch_size: int | None = None, stream_text: bool = True) -> "Engine":
         """An incremental `Engine` on this LLM's models (each engine has its own rows, caches and auto-k state;

@@ -33,6 +33,7 @@ class RunMetrics:
     prefill_chunks: int = 0  # chunked prefill: chunks fed (one per engine step at most)
     drafts_by_drafter: dict = field(default_factory=dict)  # drafter name -> [proposed, accepted] drafts
     k_histogram: dict = field(default_factory=dict)  # k -> steps that proposed k drafts (0: target-only)
+    k0_reasons: dict = field(default_factory=dict)  # auto k: why steps were chosen without drafts -> steps
     predicted_step_s: float = 0.0  # auto k: the cost model's predicted time of the steps it chose ...
     measured_step_s: float = 0.0  # ... and their measured wall time
     calibration_s: float = 0.0  # auto k: measuring (or spot-checking) forward costs; not in wall_time_s
@@ -44,6 +45,11 @@ class RunMetrics:
     def record_step(self, k: int) -> None:
         self.steps += 1
         self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
+
+    def record_drafting_off(self, reason: str | None) -> None:
+        """A step auto k chose without drafts, and why (autok.K0_REASONS; None: not auto k's choice)."""
+        if reason is not None:
+            self.k0_reasons[reason] = self.k0_reasons.get(reason, 0) + 1
 
     @property
     def tokens_per_s(self) -> float:
@@ -85,6 +91,7 @@ class RunMetrics:
             "target_forwards": self.target_forwards, "draft_forwards": self.draft_forwards,
             "realign_share": self.realign_share, "grouping_rate": self.grouping_rate,
             "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())},
+            "k0_reasons": dict(self.k0_reasons),
             "predicted_step_s": self.predicted_step_s, "measured_step_s": self.measured_step_s,
             "calibration_s": self.calibration_s, "prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_queried_tokens": self.prefix_queried_tokens, "prefill_chunks": self.prefill_chunks,

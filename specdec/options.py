@@ -26,6 +26,22 @@ def positions_needed(prompt_tokens: int, max_tokens: int, k_max: int) -> int:
     return prompt_tokens + max_tokens + k_max + 1
 
 
+CHAT_MAX_TOKENS = 2048  # a chat answer's default cap (its KV cache is allocated for its length: Qwen 1.5B's whole
+# 32k context would be ~3.7 GB a turn)
+
+
+def tokens_left(context: int, prompt_tokens: int, k_max: int) -> int:
+    """The most new tokens a prompt of `prompt_tokens` can have within `context` positions (< 1: the prompt
+    alone does not fit)."""
+    return context - positions_needed(prompt_tokens, 0, k_max)
+
+
+def chat_answer_tokens(context: int, prompt_tokens: int, k_max: int) -> int:
+    """The chat's default answer length: until EOS, capped by the context and by CHAT_MAX_TOKENS (< 1: the prompt
+    alone does not fit)."""
+    return min(CHAT_MAX_TOKENS, tokens_left(context, prompt_tokens, k_max))
+
+
 def option(default, help: str, kind: str, *, least=None, auto: bool = False, optional: bool = False,
            choices: tuple = (), flag: tuple[str, ...] = (), metavar: str | None = None, rule: str | None = None,
            valid=None):
@@ -119,11 +135,12 @@ class Checked:
 @dataclass(frozen=True)
 class LoadOptions(Checked):
     """How the models are loaded and run."""
-    dtype: object = option(None, "weights and activations (default float32; a quantized GGUF then keeps its "
-                           "blocks as stored, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, and --dtype asks for float "
-                           "weights)", "dtype", optional=True)
-    device: object = option(AUTO, "auto (CUDA when a GPU is present, else the CPU; with a model object, where it "
-                            "lives), cpu, cuda or cuda:N", "device")
+    dtype: object = option(None, "weights and activations. Not given: a float checkpoint runs in float32, and a "
+                           "quantized GGUF keeps its blocks as stored (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K) with "
+                           "float32 activations; any --dtype, float32 too, asks for float weights (a GGUF's blocks "
+                           "dequantized). float16/bfloat16 on a CPU run much slower than float32 (a warning says by "
+                           "how much)", "dtype", optional=True)
+    device: object = option(AUTO, "auto (CUDA when a GPU is present, else the CPU), cpu, cuda or cuda:N", "device")
     quantize: str | None = option(None, "keep a float checkpoint's linear weights quantized: int4 as Q4_1 blocks, "
                                   "int8 as Q8_0 (on the CPU; int4 in groups of 32 / int8 per channel on a GPU); the "
                                   "embedding and head int8; --dtype is then the activations' (docs/api.md, "
@@ -149,7 +166,10 @@ class LoadOptions(Checked):
                                      "else shares the forward, so greedy speculative output equals AR bit for bit in "
                                      "bfloat16 and float32 too (slower; docs/design.md). Bare flag: on. Default auto: "
                                      "on for the speculative methods on CUDA where a start-up measurement finds it "
-                                     "costs at most 1.15x, else off", "batch_invariant", metavar="{auto,on,off}")
+                                     "costs at most 1.15x, else off. A quantized target (a GGUF as stored, or "
+                                     "--quantize) always runs batch-invariant numerics (it loads with them on; its "
+                                     "native forward is invariant by construction): off changes nothing there",
+                                     "batch_invariant", metavar="{auto,on,off}")
     kernel_backend: str = option(AUTO, "the Triton kernels or their torch references: auto (Triton on CUDA, torch "
                                  "elsewhere), triton (on CPU tensors only under TRITON_INTERPRET=1, slowly) or torch",
                                  "choice", choices=KERNEL_BACKENDS)
@@ -179,9 +199,22 @@ class SpeculationOptions(Checked):
                                             "int", least=1, auto=True, flag=("-k", "--num-speculative-tokens"),
                                             metavar="{auto,N}")
     max_speculative_tokens: int = option(8, "the largest k that -k auto may choose", "int", least=1)
-    lookup: str | None = option(None, "beside a draft model: a row takes this lookup's drafts where it has at least "
-                                "--lookup-min-match of them, else the model's", "choice", choices=LOOKUPS,
-                                optional=True)
+    lookup: str | None = option(AUTO, "beside a draft model: a row takes this lookup's drafts where it has at least "
+                                "--lookup-min-match of them (and they have been accepted as often as the model's), "
+                                "and the draft model runs only for the rows without: free drafts first. auto: "
+                                "suffix beside a draft model, none otherwise; none: the model drafts every row",
+                                "choice", choices=LOOKUPS + ("none",), auto=True, optional=True)
+    draft_vocab: object = option(AUTO, "the draft's head restricted to the N most frequent tokens of the count that "
+                                 "ships for its tokenizer (FR-Spec: a cheaper draft step; exact, the target verifies "
+                                 "every token; specdec/draft_vocab.py): auto (49152 where a count ships and the "
+                                 "draft was loaded from a file), N, or 0 for the full head", "int", least=0, auto=True,
+                                 metavar="{auto,N}")
+    draft_confidence: object = option(AUTO, "a row stops drafting when the chance that its drafts so far are all "
+                                      "accepted (the product of the draft's calibrated top probabilities) falls below "
+                                      "this: auto prices it every step from the measured costs and acceptance (-k "
+                                      "auto; 0 with a fixed k), a number in [0, 1] fixes it, 0 never stops early",
+                                      "float", least=0, auto=True, valid=lambda x: x <= 1, metavar="{auto,P}",
+                                      rule="'auto' or a number in [0, 1]")
     lookup_min_match: int = option(2, "with --lookup: the fewest looked-up drafts (or k, if smaller) that replace "
                                    "the model's in a row", "int", least=1)
     ngram_min: int = option(1, "ngram: the shortest suffix of a row that is matched in its prompt + output", "int",

@@ -14,11 +14,10 @@ Two samplers decide a sampling row's tokens in a speculative step (docs/design.m
 Everything here takes plain tensors and lists; nothing reads the device back."""
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -106,7 +105,7 @@ class SamplingParams:
         """The parameters of choice `choice` (0..n-1) of this request: one completion (n = 1), seeded with
         `choice_seed(seed, choice)` (choice 0 keeps the seed: it is the n = 1 request's sample)."""
         seed = None if self.seed is None else choice_seed(self.seed, choice)
-        return dataclasses.replace(self, n=1, seed=seed)
+        return replace(self, n=1, seed=seed)
 
 
 MAX_N = 16  # the most completions one request may ask for (n); each is a request of its own
@@ -255,6 +254,12 @@ class StepNoise:
     host_top: int  # the largest position of a column, known on the host
     dtype: torch.dtype
     backend: str | None
+
+    def narrowed(self, k: int) -> "StepNoise":
+        """The numbers of the step's first k drafts, for a proposal shorter than the step was drawn for (rows that
+        stopped drafting when unsure): the same numbers, keyed by position."""
+        return replace(self, race=self.race[:, :k + 1],
+                                   uniforms=None if self.uniforms is None else self.uniforms[:, :k])
 
     def residual(self, slot) -> torch.Tensor:
         """[B, V] Exp(1), stream RESIDUAL, at each row's position positions + slot ([B] int64, the slot a

@@ -108,6 +108,11 @@ def speculative_step(ctx: DecodeContext, batch: Batch, k: int, plan) -> StepOutp
                                 ctx.kernel_backend)
     with ctx.timer.phase("draft"):
         proposal = ctx.proposer.propose(ctx, batch, k, noise, plan)
+    width = proposal.tokens.shape[1]  # fewer than k where every row stopped drafting early (unsure, or a lookup)
+    if width < k:
+        k, noise = width, None if noise is None else noise.narrowed(width)
+    if ctx.chooser is not None:
+        ctx.chooser.drafted(k, k if proposal.forwards is None else proposal.forwards)
     with ctx.timer.phase("verify"):
         target_argmax, target_probs, target_ok, logprobs = verify(ctx, batch, proposal.tokens)
     with ctx.timer.phase("accept"):
@@ -144,18 +149,23 @@ def decode_step(ctx: DecodeContext, batch: Batch) -> StepOutput:
     proposer = ctx.proposer
     if proposer is not None and not proposer.uses_draft_model and ctx.chooser is not None and \
             ctx.chooser.settled_at_zero(batch):
+        ctx.metrics.record_drafting_off(ctx.chooser.reason)
         return target_step(ctx, batch)  # k = 0 whatever the lookup offers: it plans at its next drafting step
     plan = proposer.plan(batch, ctx.k_max) if proposer is not None else None
-    # what bounds each row's drafts: a lookup's offers (a draft model, even beside a lookup, offers k everywhere)
-    offers = None if plan is None or proposer.uses_draft_model else [len(d) for d in plan]
+    # what bounds each row's drafts: a lookup's offers (a draft model offers k everywhere; beside a lookup, the
+    # lookup's where every row takes them: the model then does not run, proposers/combined.py)
+    free = plan is not None and proposer.uses_draft_model and hasattr(proposer, "takes_lookup") and all(
+        proposer.takes_lookup(r, d, min(proposer.min_match, ctx.k_max)) for r, d in zip(batch.requests, plan))
+    offers = None if plan is None or (proposer.uses_draft_model and not free) else [len(d) for d in plan]
     if proposer is None:
         k = 0
     elif ctx.chooser is None:
         k = ctx.k_max
     else:
-        k = ctx.chooser.choose(batch, offers)
+        k = ctx.chooser.choose(batch, offers, free)
     if offers is not None:
         k = min(k, max(offers, default=0))
     if k == 0:
+        ctx.metrics.record_drafting_off(getattr(ctx.chooser, "reason", None))  # the summary and /metrics say why
         return target_step(ctx, batch)
     return speculative_step(ctx, batch, k, plan)

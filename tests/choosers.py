@@ -19,8 +19,11 @@ class ScriptedChooser(KChooser):
         super().__init__(k_max, linear_costs(1.0, 0.0, 0.1, 0.0))
         self.script, self.i = script, 0
 
-    def choose(self, batch, offers=None):
+    def choose(self, batch, offers=None, free=False):
         k = self.script[self.i % len(self.script)]
         self.i += 1
-        self.last = (len(batch), k, 2, 0.0)
+        self.last = (len(batch), k, 2, 0.0, None)
         return k
+
+    def stop_threshold(self, batch, k):
+        return 0.0  # the script's k exactly: no row stops drafting early

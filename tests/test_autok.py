@@ -68,18 +68,18 @@ def test_acceptance_estimates_follow_each_request():
 def test_step_time_learns_its_scale_online():
     chooser = KChooser(4, linear_costs(10e-3, 0.0, 1e-3, 0.0))
     spec = chooser.costs.forwards_time(2, 3)
-    chooser.last = (2, 3, 2, 0.0)
+    chooser.last = (2, 3, 2, 0.0, None)
     for _ in range(20):
         chooser.observe(1.5 * spec)
     assert chooser.step_time(2, 3) == pytest.approx(1.5 * spec)
     # one factor for every k > 0 (the forwards carry k); k = 0, unseen, borrows it
     assert chooser.step_time(2, 1) == pytest.approx(1.5 * chooser.costs.forwards_time(2, 1))
     assert chooser.step_time(2, 0) == pytest.approx(1.5 * chooser.costs.forwards_time(2, 0))
-    chooser.last = (2, 0, 2, 0.0)
+    chooser.last = (2, 0, 2, 0.0, None)
     chooser.observe(1.2 * chooser.costs.forwards_time(2, 0))
     assert chooser.step_time(2, 0) == pytest.approx(1.2 * chooser.costs.forwards_time(2, 0))
     # a step slowed down by another process (here 0.5 s) does not move the estimate: no lock-in at k = 0
-    chooser.last = (2, 3, 2, 0.0)
+    chooser.last = (2, 3, 2, 0.0, None)
     chooser.observe(spec + 0.5)
     assert chooser.step_time(2, 3) == pytest.approx(1.5 * spec)
 
@@ -91,7 +91,7 @@ def test_a_table_measured_on_a_busy_machine_does_not_keep_drafting_off():
     slow = CostTable({m: 5 * t for m, t in fast.target.items()}, {m: 5 * t for m, t in fast.draft.items()})
     chooser = KChooser(5, slow)
     chooser.offered = 100  # acceptance measured already: no exploring
-    chooser.last = (4, 0, 2, 0.0)
+    chooser.last = (4, 0, 2, 0.0, None)
     for _ in range(3):
         chooser.observe(fast.forwards_time(4, 0))
     assert chooser.choose(FakeBatch([40] * 4, [38] * 4, [64] * 4)) >= 1
@@ -247,7 +247,7 @@ def test_draft_never_runs_where_speculation_cannot_pay_and_catches_up_where_it_c
     for costs, drafts in ((linear_costs(1e-3, 1e-3, 0.5e-3, 0.1e-3), False),
                           (linear_costs(10e-3, 0.05e-3, 1e-3, 0.01e-3, m_max=4096), True)):
         llm = LLM(*pair, method=method, num_speculative_tokens="auto", max_speculative_tokens=5, batch_size=4,
-                  dtype="float64", check_invariants=True, cost_cache="")
+                  dtype="float64", check_invariants=True, cost_cache="", lookup=None)  # the model's drafts alone
         llm.chooser = GivenCostChooser(5, costs)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
         assert [o.token_ids for o in outs] == expected

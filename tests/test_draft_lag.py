@@ -95,8 +95,9 @@ def generate(llama_pair, method, **kwargs):
     if method == "ar":
         llm = LLM(target, method="ar", batch_size=3, dtype="float32")
     else:
+        # lookup=None: the model drafts every step (free drafts first would skip it where a lookup covers a row)
         llm = LLM(target, draft, method=method, num_speculative_tokens=2, batch_size=3, window_size=6,
-                  dtype="float32", cost_cache="", check_invariants=True, **kwargs)
+                  dtype="float32", cost_cache="", check_invariants=True, lookup=None, **kwargs)
     outs = llm.generate(prompt_token_ids=prompts_of(5, seed=1),
                         sampling_params=SamplingParams(max_tokens=12, ignore_eos=True))
     return [o.token_ids for o in outs]

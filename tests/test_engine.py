@@ -160,7 +160,9 @@ def test_two_engines_on_one_llm_do_not_interfere(pair, reference, method):
     from choosers import ScriptedChooser
 
     prompts, params, _ = reference
-    llm = make_llm(pair, method, "auto")
+    # suffix_store_tokens=0: the suffix lookup beside the draft keeps to each request's own text (its cross-request
+    # store is the LLM's, shared by its engines by design: what one engine's answers offer the other is not this)
+    llm = make_llm(pair, method, "auto", suffix_store_tokens=0)
     llm.chooser = ScriptedChooser((3, 0, 2, 1, 4), 4)
     works = {"a": range(0, 6), "b": range(6, 14)}
 

@@ -160,7 +160,7 @@ def test_bad_proposer_settings_get_one_line(checkpoint_pairs):
         NgramProposer(3, 2)
     with pytest.raises(ValueError, match="ngram_min \\(5\\) must be <= ngram_max \\(4\\)"):
         LLM(target, draft="ngram", ngram_min=5)
-    with pytest.raises(ValueError, match=r"lookup \(--lookup\) must be one of .ngram., .suffix. or None"):
+    with pytest.raises(ValueError, match=r"lookup \(--lookup\) must be 'auto' or one of .ngram., .suffix., .none. or None"):
         LLM(target, draft=checkpoint_pairs("llama")[1], lookup="bigram")
     with pytest.raises(ValueError, match="lookup= goes beside a draft model"):
         LLM(target, draft="ngram", lookup="suffix")

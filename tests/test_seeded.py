@@ -76,7 +76,8 @@ CONFIGS = [("ar", None, 3), ("ar", None, 8), ("eqspec", 1, 8), ("eqspec", 5, 3),
 
 @pytest.mark.parametrize("method,k,batch_size", CONFIGS)
 def test_same_seed_same_tokens_as_target_only_ar(pair, ar_sample, method, k, batch_size):
-    outs = generate(pair, method, k, batch_size, check_invariants=True,
+    # draft_confidence=0: every row drafts its k (rows that stop when unsure are tests/test_stop_when_unsure.py's)
+    outs = generate(pair, method, k, batch_size, check_invariants=True, draft_confidence=0,
                     chooser=KChooser(5, PAYING) if k == "auto" else None)
     assert tokens(outs) == ar_sample
     if method != "ar":
@@ -86,9 +87,9 @@ def test_same_seed_same_tokens_as_target_only_ar(pair, ar_sample, method, k, bat
 def test_auto_k_with_different_cost_tables_and_k_changing_every_step(pair, ar_sample):
     """Two `-k auto` runs whose chooser works from different cost tables (so their k schedules differ), and
     a schedule changing k every step with k = 0 steps: the same tokens."""
-    runs = []
+    runs = []  # the model's drafts alone, every row its k (no lookup, no early stop): the tables decide the k
     for costs in (PAYING, linear_costs(10e-3, 2e-3, 1e-3, 0.2e-3)):
-        runs.append(generate(pair, "ragged", "auto", 3, chooser=KChooser(5, costs)))
+        runs.append(generate(pair, "ragged", "auto", 3, chooser=KChooser(5, costs), lookup=None, draft_confidence=0))
     runs.append(generate(pair, "eqspec", "auto", 3, chooser=ScriptedChooser((2, 0, 5, 1, 3, 0, 4), 5)))
     schedules = [[o.speculative_tokens for o in outs] for outs in runs]
     assert schedules[0] != schedules[1] != schedules[2]  # the steps really fell differently
@@ -127,8 +128,9 @@ def test_one_device_read_per_step_with_both_samplers(pair, method, k, monkeypatc
     prompts, params = workload()
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0 if i % 3 == 0 else 0.9, top_p=0.9,
                              seed=i if i % 3 == 1 else None, ignore_eos=True) for i in range(N)]
+    # draft_confidence=0: no row stops drafting early (where it does, on the CPU, the host reads each draft's chance)
     llm = LLM(*pair, method=method, num_speculative_tokens=k, batch_size=4, dtype="float64", check_invariants=False,
-              cost_cache="")
+              cost_cache="", draft_confidence=0)
     if k == "auto":
         llm.chooser = KChooser(5, PAYING)
     steps = reads_per_step(llm, prompts, params, monkeypatch)

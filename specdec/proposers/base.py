@@ -18,6 +18,7 @@ class Proposal:
     probs: torch.Tensor | None  # [B, k, V] the distributions the drafts were drawn from; None when no row needs them
     finite: torch.Tensor | None = None  # [B] bool: the draft model's logits were finite (None: no model ran)
     sources: list[str] | None = None  # which drafter each row's drafts came from (None: all the proposer's)
+    forwards: int | None = None  # draft forwards the proposal ran (None: k, one per draft; 0: none)
 
 
 def one_hot_probs(tokens: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
