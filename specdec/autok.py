@@ -19,7 +19,7 @@
 - **Choice.** k* = argmax over 0..k_max of sum_i E_i(k) / t(B, k), at steady state (T0 = 2). k = 0 is a
   target-only step of the same strategy: when verifying costs more per token than the drafts gain,
   speculation switches itself off. A draft that has fallen behind (after k = 0 steps, or never prefilled:
-  with auto k the draft's prefill waits until the chooser drafts, `DecodeContext.prefill_draft`) must
+  with auto k the draft's prefill waits until the chooser drafts, `DecodeContext.prefills_draft`) must
   first catch up on T0 > 2 tokens per row, a one-off cost: k* > 0 is kept only if drafting saves more
   than that over the tokens the batch has left to produce. With a lookup proposer, a step where k = 0 wins
   even if every row offered k drafts (and no exploration is due) is taken without asking the lookup to plan
@@ -305,6 +305,17 @@ class KChooser:
         if catch_up <= 0:
             return rate_k > rate_0
         return tokens / rate_0 - tokens / rate_k > catch_up
+
+    def draft_prefill_pays(self, requests, catch_up: int) -> bool:
+        """Whether drafting for these newcomers (a batch of their own) pays back their draft's prefill,
+        `catch_up` tokens per row, over the tokens they may produce, at their acceptance (a new request's: the
+        pooled one) and the measured costs: `pays_back` with that prefill as the catch-up."""
+        if self.costs is None or not requests:
+            return True  # nothing measured to price it with: as with a fixed k
+        B = len(requests)
+        alphas = [self.alpha(r) for r in requests]
+        tokens = sum(max(r.params.max_tokens - len(r.output_ids), 1) for r in requests)
+        return self.pays_back(alphas, B, self.best_k(alphas, B, least=1), catch_up, tokens)
 
     @property
     def drafting(self) -> bool:

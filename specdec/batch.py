@@ -8,7 +8,7 @@ emitted tokens):
 - the target cache holds s[:-1] (`length = len(s) - 1`): the last token, already emitted, is fed next;
 - the draft cache holds a prefix s[:len(s) - lag] with lag >= 2 (`DRAFT_LAG` = 2 after a prefill or a
   speculative step, one more after each step that did not run the draft, k = 0; the whole sequence when the
-  draft's prefill was deferred, see `DecodeContext.prefill_draft`). A feature draft (models/feature_draft.py)
+  draft's prefill was deferred, see `DecodeContext.prefills_draft`). A feature draft (models/feature_draft.py)
   keeps only what it fed with the target's own features: lag >= 1 (a + 1 after a step that accepted a
   drafts), and `features[i, p]` holds the target's hidden state at position p for every p < len(s) - 1.
   The rule, in one place: `Batch.set_draft_lag`, called by every prefill and every draft model's step.
@@ -78,13 +78,26 @@ class DecodeContext:
         """Whether the draft reads the target's hidden states (docs/api.md, feature drafts)."""
         return getattr(self.draft, "reads_target_hidden", False)
 
-    @property
-    def prefill_draft(self) -> bool:
-        """Whether a prefill fills the new rows' draft caches too. Always with a fixed k; with auto k only
-        while the chooser is drafting: a run that stays at k = 0 never runs the draft, and one that starts
-        drafting later has the draft catch up on each row's whole sequence in its first draft forward
-        (the lag mechanism above), which the chooser prices before it decides."""
-        return self.chooser is None or self.chooser.drafting
+    def prefills_draft(self, requests: list, joining: bool = True) -> bool:
+        """Whether the prefill of `requests` fills their draft caches too. Always with a fixed k; with auto k
+        only while the chooser is drafting, and, where the newcomers start a batch of their own (`joining`
+        False: no row runs), only where drafting pays the draft's prefill back over their tokens
+        (`KChooser.draft_prefill_pays`: a long prompt with a short answer does not). A row whose draft was not
+        prefilled catches up on its whole sequence in its first draft forward (the lag mechanism above), which
+        the chooser prices before it drafts; rows that join running ones get theirs at once, so that their lag
+        never holds back the running rows' drafting."""
+        if self.draft is None:
+            return False
+        if self.chooser is None:
+            return True
+        if not self.chooser.drafting:
+            return False
+        if joining:
+            return True
+        store = self.prefix_cache  # the draft's K/V it holds is copied in either way: the rest is the catch-up
+        held = [store.peek(r.prompt_ids, self.feature_draft)[1] if store is not None else 0 for r in requests]
+        catch_up = max(len(r.prompt_ids) - h for r, h in zip(requests, held)) + 1  # and the first token
+        return self.chooser.draft_prefill_pays(requests, catch_up)
 
     def step_done(self, rows: int, started: float) -> None:
         """A step (of `rows` rows, begun at perf_counter() `started`) has ended, its postprocess included

@@ -15,7 +15,8 @@ PHASES = ("prefill", "draft", "verify", "accept", "realign", "other")
 class RunMetrics:
     method: str
     batch_size: int
-    drafter: str | None = None  # where drafts came from (the proposer's name): "model", "feature", "ngram", "suffix", "model+ngram" ..
+    drafter: str | None = None  # where drafts came from (the proposer's name): "model", "feature", "ngram", "suffix",
+    # "model+suffix" ...
     num_requests: int = 0
     generated_tokens: int = 0
     first_tokens: int = 0  # first tokens, emitted by the prefill rather than by a decoding step

@@ -41,11 +41,12 @@ class PromptRows:
     beginning with its cached prefix. Left-padded only for rows fed whole with nothing cached (a left-padded
     row that holds tokens cannot be fed fewer than the others)."""
 
-    def __init__(self, ctx: DecodeContext, prompts: list[list[int]], capacity: int, layout: str = RAGGED):
+    def __init__(self, ctx: DecodeContext, prompts: list[list[int]], capacity: int, layout: str = RAGGED,
+                 run_draft: bool = True):
         self.ctx = ctx
         self.prompts = prompts
         self.lengths = [len(p) for p in prompts]
-        self.run_draft = ctx.draft is not None and ctx.prefill_draft
+        self.run_draft = ctx.draft is not None and run_draft  # the draft's caches filled too (DecodeContext.prefills_draft)
         store, device = ctx.prefix_cache, ctx.device
         U = len(prompts)
         # columns: a row's prefix plus the longest feed of any row (ragged padding is written past a row's end)
@@ -173,19 +174,22 @@ def distinct_prompts(requests: list[Request]) -> tuple[list[list[int]], list[int
     return [list(p) for p in seen], index
 
 
-def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: int) -> tuple[Batch, StepOutput]:
+def prefill(ctx: DecodeContext, requests: list[Request], layout: str, capacity: int,
+            joining: bool = True) -> tuple[Batch, StepOutput]:
     """Prefill the newcomers' prompts at once into caches of `capacity` columns (at least what they need) and
-    emit each request's first token from the target. Returns the batch (in `layout`) and its first tokens,
+    emit each request's first token from the target; their drafts' too where `ctx.prefills_draft` says
+    (`joining`: they join running rows). Returns the batch (in `layout`) and its first tokens,
     uncommitted (the caller commits them: specdec/commit.py). With a prefix cache, each distinct prompt's
     cached prefix is copied in, the rest fed, and the prompt's row copied to every request that asked for it.
     Without one, each request is fed in its own row: sharing a row would change the forward's shape (and,
     unless the models are batch-invariant, the last bits of its results)."""
+    run_draft = ctx.prefills_draft(requests, joining)
     if ctx.prefix_cache is None:
-        rows = PromptRows(ctx, [r.prompt_ids for r in requests], capacity, layout)
+        rows = PromptRows(ctx, [r.prompt_ids for r in requests], capacity, layout, run_draft)
         index = list(range(len(requests)))
     else:
         prompts, index = distinct_prompts(requests)
-        rows = PromptRows(ctx, prompts, capacity)
+        rows = PromptRows(ctx, prompts, capacity, run_draft=run_draft)
     return rows.finish(rows.feed(), requests, index, layout)
 
 
@@ -293,7 +297,7 @@ class ChunkedPrefill:
 
     def __init__(self, ctx: DecodeContext, requests: list[Request], chunk: int, layout: str, capacity: int = 0):
         self.ctx, self.requests, self.chunk, self.layout = ctx, list(requests), chunk, layout
-        self.rows = PromptRows(ctx, [list(requests[0].prompt_ids)], capacity)
+        self.rows = PromptRows(ctx, [list(requests[0].prompt_ids)], capacity, run_draft=ctx.prefills_draft(requests))
         self.chunks = 0
 
     @property

@@ -175,8 +175,10 @@ def run(args, sink: JsonlOutput | None = None) -> int:
         write_metrics(args.metrics, [m for m, _ in rows])
     m = outputs.metrics
     if llm.chooser is not None and m.measured_step_s:
-        print(f"k chosen per step: {dict(sorted(m.k_histogram.items()))}; cost model predicted "
-              f"{m.predicted_step_s:.2f} s of step time, measured {m.measured_step_s:.2f} s")
+        off = "; ".join(f"{n} {why}" for why, n in sorted(m.k0_reasons.items(), key=lambda kv: -kv[1]))
+        off = f" (k = 0 steps, by why: {off})" if off else ""
+        print(f"k chosen per step: {dict(sorted(m.k_histogram.items()))}{off}"
+              + f"; cost model predicted {m.predicted_step_s:.2f} s of step time, measured {m.measured_step_s:.2f} s")
     print(f"\n{plural(m.num_requests, 'request')}, {plural(m.generated_tokens, 'token')} in {m.wall_time_s:.2f} s; "
           f"target forwards {m.target_forwards}, draft forwards {m.draft_forwards}; {weights_summary(llm, args)}, "
           f"device {device_summary(llm.device, args.device)}, {threads}")

@@ -233,6 +233,71 @@ def test_a_draft_catch_up_is_paid_only_if_the_tokens_left_repay_it():
     assert short_run.choose(FakeBatch([100] * 4, [98] * 4, [2] * 4)) >= 1  # warm: nothing to repay
 
 
+def test_a_newcomer_s_draft_prefill_is_paid_only_if_its_tokens_repay_it():
+    """The same rule at admission: a long prompt with a short answer does not get the draft's prefill (its
+    drafting could not repay it), a short prompt with a long answer does."""
+    chooser = KChooser(5, linear_costs(10e-3, 0.01e-3, 1e-3, 0.5e-3, m_max=4096))
+    chooser.offered, chooser.pooled = 100, [0.8 * 100, 100]
+
+    def newcomer(prompt_len, max_tokens):
+        return Request(0, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), frozenset())
+
+    assert not chooser.draft_prefill_pays([newcomer(700, 8)], catch_up=701)
+    assert chooser.draft_prefill_pays([newcomer(20, 256)], catch_up=21)
+
+
+def test_rows_joining_running_ones_always_get_their_draft_prefilled():
+    """Whatever the price, newcomers that join running, drafting rows are prefilled (their lag would hold the
+    batch's drafting back); by themselves they are priced; with the chooser not drafting, never; fixed k,
+    always."""
+    from types import SimpleNamespace
+
+    from specdec.batch import DecodeContext
+
+    chooser = KChooser(5, linear_costs(10e-3, 0.01e-3, 1e-3, 0.5e-3, m_max=4096))
+    chooser.offered, chooser.pooled = 100, [0.8 * 100, 100]
+    long_short = [Request(0, list(range(700)), SamplingParams(max_tokens=8), frozenset())]
+    ctx = SimpleNamespace(draft=object(), chooser=chooser, prefix_cache=None, feature_draft=False)
+    assert not DecodeContext.prefills_draft(ctx, long_short)  # not drafting (no step yet)
+    chooser.last = (1, 3, 2, 0.0, None)  # the last step drafted
+    assert DecodeContext.prefills_draft(ctx, long_short, joining=True)
+    assert not DecodeContext.prefills_draft(ctx, long_short, joining=False)
+    assert DecodeContext.prefills_draft(SimpleNamespace(**(vars(ctx) | {"chooser": None})), long_short, joining=False)
+
+
+def test_a_long_prompt_with_a_short_answer_never_runs_the_draft(pair, monkeypatch):
+    """End to end at batch 1, one request after another: the first (short prompt, long answer) drafts; the
+    second (a long prompt, 3 tokens) is admitted while the chooser drafts, yet gets no draft prefill (no draft
+    forward of its prompt's length), and both equal AR."""
+    from specdec.batch import DecodeContext
+
+    decisions = []  # (the chooser drafting at admission, the prompt's length, the draft prefilled)
+    prefills_draft = DecodeContext.prefills_draft
+
+    def recorded(ctx, requests, joining=True):
+        decision = prefills_draft(ctx, requests, joining)
+        if ctx.chooser is not None:  # (not the AR reference's)
+            decisions.append((ctx.chooser.drafting, len(requests[0].prompt_ids), decision))
+        return decision
+
+    monkeypatch.setattr(DecodeContext, "prefills_draft", recorded)
+    llm = LLM(*pair, method="ragged", num_speculative_tokens="auto", max_speculative_tokens=5, batch_size=1,
+              dtype="float64", check_invariants=True, cost_cache="", lookup=None, draft_confidence=0)
+    llm.chooser = GivenCostChooser(5, linear_costs(10e-3, 0.01e-3, 1e-3, 0.5e-3, m_max=4096))
+    llm.chooser.offered, llm.chooser.pooled = 100, [0.9 * 100, 100]
+    widths = []  # new tokens per row of every draft forward
+    forward = llm.draft.forward
+    monkeypatch.setattr(llm.draft, "forward", lambda x, *a, **kw: widths.append(x.shape[1]) or forward(x, *a, **kw))
+    prompts = [[5, 6, 7], [3 + (i * 7) % 120 for i in range(200)]]
+    params = [SamplingParams(max_tokens=48), SamplingParams(max_tokens=3)]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert decisions[-1] == (True, 200, False), decisions  # admitted while drafting, not prefilled
+    assert widths and max(widths) < 200, widths  # the draft never read the long prompt
+    ar = LLM(pair[0], method="ar", batch_size=1, dtype="float64").generate(prompt_token_ids=prompts,
+                                                                             sampling_params=params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ar]
+
+
 class GivenCostChooser(KChooser):
     """Decides from the given costs alone: the steps' wall times on this machine (the tiny pair's real
     costs) are not learned into the model."""

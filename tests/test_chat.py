@@ -5,17 +5,15 @@ the answer and keeps the session, /reset clears the conversation, Ctrl-D ends it
 word-level tokenizer and a chat template of words (tests/checkpoints.py)."""
 import json
 import os
-import pty
 import re
-import select
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from checkpoints import make_pair, write_wordlevel_tokenizer
+from terminal import Terminal
 
 WORDS = ["<unk>", "<s>", "</s>", "system", "user", "assistant"] + [f"w{i}" for i in range(125)]  # 131 ids
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
@@ -33,70 +31,6 @@ def chat_pair(tmp_path_factory):
     template = root / "chat.jinja"
     template.write_text(TEMPLATE)
     return target, draft, str(template)
-
-
-class Terminal:
-    """A program on the slave side of a pseudo-terminal (its controlling terminal: ^C there is SIGINT), read
-    from the master side with a bound on every wait."""
-
-    def __init__(self, argv: list[str]):
-        self.pid, self.fd = pty.fork()
-        if self.pid == 0:  # the child: SIGINT at its default (a background shell may have ignored it)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.execve(sys.executable, [sys.executable, *argv], ENV)
-        self.seen = ""  # everything read so far (\r\n as \n)
-        self.chunks: list[tuple[float, str]] = []  # (when, text) of every read
-
-    def read(self, timeout: float) -> bool:
-        ready, _, _ = select.select([self.fd], [], [], timeout)
-        if not ready:
-            return False
-        try:
-            data = os.read(self.fd, 65536).decode("utf-8", "replace").replace("\r\n", "\n")
-        except OSError:  # the child closed the terminal (exited)
-            return False
-        self.seen += data
-        self.chunks.append((time.monotonic(), data))
-        return bool(data)
-
-    def expect(self, pattern: str, start: int, timeout: float = 120) -> re.Match:
-        """The first match of `pattern` in what was read after offset `start`, reading until it appears."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = re.compile(pattern).search(self.seen, start)
-            if m:
-                return m
-            if time.monotonic() > deadline or not self.read(min(1.0, max(deadline - time.monotonic(), 0.01))) \
-                    and time.monotonic() > deadline:
-                self.close()
-                pytest.fail(f"no {pattern!r} in time; the terminal showed:\n{self.seen[-3000:]}")
-
-    def send(self, text: str) -> int:
-        """Type `text`; returns the offset of what was read before (the reply comes after it)."""
-        at = len(self.seen)
-        os.write(self.fd, text.encode())
-        return at
-
-    def wait(self, timeout: float = 60) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.read(0.1)
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                return os.waitstatus_to_exitcode(status)
-        self.close()
-        pytest.fail("the chat did not end")
-
-    def close(self) -> None:
-        if self.fd is None:
-            return
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        os.close(self.fd)
-        self.fd = None
 
 
 def turn(term: Terminal, message: str, interrupt: bool = False) -> tuple[str, tuple[int, int, int, int]]:

@@ -108,10 +108,14 @@ def test_compiled_step_compiles_once_per_bucket_and_never_again(pair, monkeypatc
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     ar.generate(prompt_token_ids=[[9, 10, 11, 12, 13]], sampling_params=long)  # another prompt length
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["recompiles"])
-    spec = LLM(target, draft, method="ragged", num_speculative_tokens=3, batch_size=4, dtype="float32", compile=True)
+    # draft_confidence=0: the same drafts every run (a stop threshold priced from measured times is not)
+    spec = LLM(target, draft, method="ragged", num_speculative_tokens=3, batch_size=4, dtype="float32", compile=True,
+               draft_confidence=0)
     prompts = [[5, 6, 7], [8], [9, 10, 11, 12], [13, 14]]
     spec.generate(prompt_token_ids=prompts, sampling_params=long)
+    spec.generate(prompt_token_ids=prompts[::-1], sampling_params=long)  # may reach a bucket the first run did not
     graphs = counters["stats"]["unique_graphs"]
     assert graphs <= 1 + 2 * 4, dict(counters["stats"])  # AR's, then at most 4 per model (rows, new tokens)
-    spec.generate(prompt_token_ids=prompts[::-1], sampling_params=long)
+    assert not counters["recompiles"], dict(counters["recompiles"])
+    spec.generate(prompt_token_ids=prompts, sampling_params=long)  # the same run again compiles nothing
     assert counters["stats"]["unique_graphs"] == graphs, dict(counters["recompiles"])

@@ -35,6 +35,9 @@ def ar(target, prompts, params=PARAMS):
 
 
 def exspec_llm(target, draft, k, batch_size, window_size, max_wait_steps=8, **options):
+    """The draft model's k drafts every step (no lookup beside it, no stop when unsure), so that the forwards
+    are counted exactly; tests/test_speculation_cpu.py runs EXSPEC with the defaults' composed proposers."""
+    options = {"lookup": None, "draft_confidence": 0, **options}
     return LLM(target, draft, method="exspec", num_speculative_tokens=k, batch_size=batch_size,
                window_size=window_size, max_wait_steps=max_wait_steps, dtype="float64", profile=True, **options)
 

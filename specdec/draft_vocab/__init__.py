@@ -15,8 +15,8 @@ special tokens (end of sequence, chat markers) are always in the subset.
 
 `build` counts the Python standard library's sources (code and its docstrings, weighed down: one genre) and, with
 --generate-with, a model's own answers to `corpus_prompts()` (instructions of every kind written for this, none of
-SpecBench's, so that the benchmarks measure coverage on text the count never saw); `coverage` says what share of a text's tokens each size
-covers (docs/benchmarks/draft-vocab.md).
+SpecBench's, so that the benchmarks measure coverage on text the count never saw); `coverage` says what share of a
+text's tokens each size covers (docs/benchmarks/draft-vocab.md).
 """
 from __future__ import annotations
 

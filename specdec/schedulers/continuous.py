@@ -76,7 +76,7 @@ class ContinuousScheduler:
                 break
             need = (max(capacity, required_capacity(chunk, self.ctx.k_max)) if capacity is not None
                     else max(len(r.prompt_ids) for r in chunk) + 1)
-            fresh, first = prefill(self.ctx, chunk, self.layout, need)
+            fresh, first = prefill(self.ctx, chunk, self.layout, need, joining=bool(self.running()))
             commit(self.ctx, fresh.requests, first)
             done += fresh.drop_finished()
             if len(fresh):

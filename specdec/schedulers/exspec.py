@@ -316,7 +316,7 @@ class PoolScheduler:
                 chunk = take_waiting(ctx, self.waiting, len(free), budget)
                 if not chunk:
                     break
-                fresh, first = prefill(ctx, chunk, RAGGED, self.pool.capacity)
+                fresh, first = prefill(ctx, chunk, RAGGED, self.pool.capacity, joining=bool(self.pool.live_slots()))
                 commit(ctx, fresh.requests, first)
                 done += fresh.drop_finished()
                 if len(fresh):
