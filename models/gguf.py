@@ -83,6 +83,7 @@ TENSOR_LEAST_BYTES = 8 + 4 + 4 + 8  # a tensor's entry: name length, dimension c
 FAULT_AROUND_BYTES = 1 << 16  # Linux maps up to this much around a page read from a file mapping
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")  # a string's length
 
 
 class SkippedArray(NamedTuple):
@@ -103,26 +104,40 @@ class TensorInfo(NamedTuple):
 
 
 class _Header:
-    """Sequential little-endian reads of a GGUF header; a short read is a truncated file. Every length and count
-    is checked against the bytes the file has left before anything is read or allocated for it."""
+    """Sequential little-endian reads of a GGUF header from the file's bytes (`buf`: the file mapped, read in
+    place: a tokenizer's 300k strings are skipped without a read call each); a short read is a truncated file.
+    Every length and count is checked against the bytes the file has left before anything is read or allocated
+    for it."""
 
-    def __init__(self, f, path: str, size: int):
-        self.f, self.path, self.size = f, path, size
+    def __init__(self, buf, path: str, size: int):
+        self.buf, self.path, self.size = buf, path, size
+        self.pos = 0  # the next byte to read
 
     def fail(self, what: str):
         raise CheckpointError(f"{self.path}: cannot read GGUF file ({what})")
 
     def left(self) -> int:
-        return self.size - self.f.tell()
+        return self.size - self.pos
 
     def take(self, n: int) -> bytes:
         if n > self.left():
-            self.fail(f"file is truncated inside its header: {n} bytes wanted at byte {self.f.tell()}, "
+            self.fail(f"file is truncated inside its header: {n} bytes wanted at byte {self.pos}, "
                       f"{self.left()} left")
-        data = self.f.read(n)
-        if len(data) != n:
-            self.fail("file is truncated inside its header")
+        data = self.buf[self.pos:self.pos + n]
+        self.pos += n
         return data
+
+    def skip_strings(self, count: int) -> None:
+        """Step over `count` strings (a length, then its bytes) without decoding them."""
+        buf, pos, size, unpack = self.buf, self.pos, self.size, _LENGTH.unpack_from
+        for _ in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                self.fail("file is truncated inside its header")
+            pos += 8 + unpack(buf, pos)[0]
+        if pos > size:
+            self.fail(f"file is truncated inside its header: a string ends at byte {pos}, the file has {size}")
+        self.pos = pos
 
     def count(self, n: int, item_bytes: int, what: str) -> int:
         """`n` items of at least `item_bytes` bytes each, refused where the rest of the file cannot hold them."""
@@ -161,8 +176,7 @@ class _Header:
             raw = self.take(struct.calcsize(_SCALARS[item]) * count)
             return np.frombuffer(raw, dtype=np.dtype(_SCALARS[item])).tolist() if keep else SkippedArray(count)
         if item == _STRING and not keep:
-            for _ in range(count):
-                self.take(self.scalar(10))
+            self.skip_strings(count)
             return SkippedArray(count)
         items = [self.value(item, keep, depth + 1) for _ in range(count)]
         return items if keep else SkippedArray(count)
@@ -185,7 +199,12 @@ class GGUFFile:
         try:
             size = os.path.getsize(path)
             with open(path, "rb") as f:
-                infos, start = self._read_header(_Header(f, path, size), arrays)
+                buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+                try:
+                    infos, start = self._read_header(_Header(buf, path, size), arrays)
+                finally:
+                    if size:
+                        buf.close()
         except OSError as err:
             raise CheckpointError(f"{path}: cannot read GGUF file ({err.strerror or err})") from None
         self.tensors = []
@@ -244,7 +263,7 @@ class GGUFFile:
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 \
                 or alignment & (alignment - 1):
             raise CheckpointError(f"{self.path}: GGUF metadata general.alignment is {alignment!r}, not a power of 2")
-        return infos, -(-h.f.tell() // alignment) * alignment  # tensor data begins at the next aligned byte
+        return infos, -(-h.pos // alignment) * alignment  # tensor data begins at the next aligned byte
 
     def raw_rows(self, t: TensorInfo, first: int, last: int) -> np.ndarray:
         """Rows first..last-1 of tensor `t` as stored: uint8 [rows, bytes per row]."""
