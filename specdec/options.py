@@ -26,6 +26,10 @@ def positions_needed(prompt_tokens: int, max_tokens: int, k_max: int) -> int:
     return prompt_tokens + max_tokens + k_max + 1
 
 
+# the GGUF block types a load keeps as stored (models/ggml_blocks.py TYPES; tests/test_flags.py holds the two equal)
+STORED_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+                      "IQ4_XS")
+
 CHAT_MAX_TOKENS = 2048  # a chat answer's default cap (its KV cache is allocated for its length: Qwen 1.5B's whole
 # 32k context would be ~3.7 GB a turn)
 
@@ -136,7 +140,7 @@ class Checked:
 class LoadOptions(Checked):
     """How the models are loaded and run."""
     dtype: object = option(None, "weights and activations. Not given: a float checkpoint runs in float32, and a "
-                           "quantized GGUF keeps its blocks as stored (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K) with "
+                           "quantized GGUF keeps its blocks as stored (" + "/".join(STORED_BLOCK_TYPES) + ") with "
                            "float32 activations; any --dtype, float32 too, asks for float weights (a GGUF's blocks "
                            "dequantized). float16/bfloat16 on a CPU run much slower than float32 (a warning says by "
                            "how much)", "dtype", optional=True)
@@ -144,9 +148,9 @@ class LoadOptions(Checked):
     quantize: str | None = option(None, "keep a float checkpoint's linear weights quantized: int4 as Q4_1 blocks, "
                                   "int8 as Q8_0 (on the CPU; int4 in groups of 32 / int8 per channel on a GPU); the "
                                   "embedding and head int8; --dtype is then the activations' (docs/api.md, "
-                                  "'Quantized weights'). A quantized GGUF needs none: its Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/"
-                                  "Q4_K/Q5_K/Q6_K blocks are kept as stored", "choice", choices=QUANTIZE,
-                                  optional=True)
+                                  "'Quantized weights'). A quantized GGUF needs none: its "
+                                  + "/".join(STORED_BLOCK_TYPES) + " blocks are kept as stored", "choice",
+                                  choices=QUANTIZE, optional=True)
     draft_quantize: str | None = option(None, "the same for the draft model (its own setting)", "choice",
                                         choices=QUANTIZE, optional=True)
     check_weights: bool = option(False, "scan every loaded weight for NaN/inf (after conversion to --dtype) and "

@@ -61,9 +61,10 @@ def test_one_flag_table_for_every_command():
 def test_the_options_name_the_runtimes_lookups_formats_and_backends():
     from specdec import options, proposers, schedulers
     from specdec.kernels import dispatch
-    from specdec.models import quant
+    from specdec.models import ggml_blocks, quant
 
     assert options.LOOKUPS == proposers.LOOKUPS
+    assert set(options.STORED_BLOCK_TYPES) == set(ggml_blocks.TYPES)  # the --dtype/--quantize help names them
     assert set(options.QUANTIZE) == set(quant.FORMATS)
     assert set(options.KERNEL_BACKENDS) == set(dispatch.BACKENDS)
     assert set(options.METHODS) == set(schedulers.SCHEDULERS)
