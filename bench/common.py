@@ -149,11 +149,24 @@ def comma_ints(text: str) -> list[int]:
     return sorted({int(x) for x in items})
 
 
-def parse_with_quick(parser: argparse.ArgumentParser, quick: dict, argv=None) -> argparse.Namespace:
-    """Parses argv; with --quick the `quick` values become the defaults (flags given explicitly still win)."""
+def quick_help(quick: dict, about: str) -> str:
+    """--quick's help: `about`, then the flags it sets."""
+    return f"{about}: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in quick.items()) + \
+        " (explicit flags still win)"
+
+
+def parse_with_quick(parser: argparse.ArgumentParser, quick: dict, argv=None, check=None) -> argparse.Namespace:
+    """Parses argv; with --quick the `quick` values become the defaults (flags given explicitly still win). `check`
+    (the parsed args): a ValueError it raises is the parser's one-line error."""
     if parser.parse_known_args(argv)[0].quick:
         parser.set_defaults(**quick)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if check is not None:
+        try:
+            check(args)
+        except ValueError as err:
+            parser.error(str(err))
+    return args
 
 
 # ---------------------------------------------------------------------------------------------- prompts

@@ -22,8 +22,8 @@ import torch
 from bench.bandwidth import read_bandwidth
 from bench.common import (REPO, HelpFormatter, checkpoint_tokenizer, comma_ints, comma_list, command_line,
                           evenly_spaced, file_sha256, fmt_spread, interleave, k_text, lengths_text, log, machine,
-                          md_table, parse_with_quick, prompt_ids, pyplot, read_jsonl, save_figure, shown, spread,
-                          write_jsonl)
+                          md_table, parse_with_quick, quick_help, prompt_ids, pyplot, read_jsonl, save_figure, shown,
+                          spread, write_jsonl)
 from bench.pairs import DEFAULT_PAIR_DIR, pair_dirs
 from specdec import LLM, METHODS, SamplingParams
 from specdec.drafts import shipped_draft
@@ -138,8 +138,7 @@ def parse_args(argv=None):
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--replot", default=None, metavar="JSONL", help="run nothing: re-render peers.md and the plots "
                    "of an earlier peers.jsonl (into --out, else next to it)")
-    p.add_argument("--quick", action="store_true", help="smoke test: " + ", ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + " (explicit flags still win)")
+    p.add_argument("--quick", action="store_true", help=quick_help(QUICK, "smoke test"))
     args = parse_with_quick(p, QUICK, argv)
     if args.replot:
         args.out = args.out or os.path.dirname(os.path.abspath(args.replot))

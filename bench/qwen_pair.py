@@ -60,8 +60,8 @@ import traceback
 from dataclasses import dataclass, field
 
 from bench.common import (REPO, HelpFormatter, comma_ints, comma_list, command_line, evenly_spaced, fmt_spread, k_text,
-                          log, machine, machine_line, md_table, parse_with_quick, pyplot, save_figure, shown, spread,
-                          write_json)
+                          log, machine, machine_line, md_table, parse_with_quick, quick_help, pyplot, save_figure,
+                          shown, spread, write_json)
 from bench.fetch_qwen import DRAFT as DRAFT_FILE, FETCH_COMMAND, TARGET as TARGET_FILE, cache_dir
 from specdec.flags import Parser  # a refusal in one line, naming the flag
 
@@ -159,14 +159,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "temporary folder, removed at the end unless a server failed)")
     p.add_argument("--dry-run", action="store_true", help="print the prompts and cells this run would measure, and "
                    "stop (loads the tokenizer only)")
-    p.add_argument("--quick", action="store_true", help="about 20 minutes: " + ", ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + " (explicit flags still win)")
-    args = parse_with_quick(p, QUICK, argv)
-    try:
-        check_args(args)
-    except ValueError as err:
-        p.error(str(err))
-    return args
+    p.add_argument("--quick", action="store_true", help=quick_help(QUICK, "about 20 minutes"))
+    return parse_with_quick(p, QUICK, argv, check=check_args)
 
 
 def check_args(args) -> None:

@@ -48,7 +48,7 @@ from types import SimpleNamespace
 
 from bench import qwen_pair as qp
 from bench.common import (HelpFormatter, comma_list, command_line, fmt_spread, log, machine, machine_line, md_table,
-                          parse_with_quick, shown, write_json)
+                          parse_with_quick, quick_help, shown, write_json)
 from specdec.flags import Parser
 
 TAG = "qwen_serve"
@@ -125,14 +125,8 @@ def parse_args(argv=None):
                    "temporary folder, removed at the end unless a server failed)")
     p.add_argument("--dry-run", action="store_true", help="print the prompts, the servers' commands and the "
                    "estimate, and stop (loads the tokenizer only)")
-    p.add_argument("--quick", action="store_true", help="about 10 minutes: " + ", ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + " (explicit flags still win)")
-    args = parse_with_quick(p, QUICK, argv)
-    try:
-        check_args(args)
-    except ValueError as err:
-        p.error(str(err))
-    return args
+    p.add_argument("--quick", action="store_true", help=quick_help(QUICK, "about 10 minutes"))
+    return parse_with_quick(p, QUICK, argv, check=check_args)
 
 
 def check_args(args) -> None:

@@ -21,8 +21,8 @@ import traceback
 
 import torch
 
-from bench.common import (REPO, HelpFormatter, checkpoint_tokenizer, comma_ints, command_line, evenly_spaced,
-                          k_text, lengths_text, log, machine, md_table, parse_with_quick, prompt_ids, pyplot,
+from bench.common import (REPO, HelpFormatter, checkpoint_tokenizer, comma_ints, command_line, evenly_spaced, k_text,
+                          lengths_text, log, machine, md_table, parse_with_quick, quick_help, prompt_ids, pyplot,
                           random_prompts, read_jsonl, save_figure, shown, write_jsonl)
 from bench.pairs import DEFAULT_PAIR_DIR, cost_ratio, pair_description, pair_dirs
 from specdec import LLM, METHODS, SamplingParams
@@ -84,8 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--replot", default=None, metavar="JSONL", help="run nothing: re-render the table and plots "
                    "of earlier throughput-<mode>.jsonl files (comma-separated: merged into one) into --out, else "
                    "next to the first")
-    p.add_argument("--quick", action="store_true", help="smoke test: " + ", ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + " (explicit flags still win)")
+    p.add_argument("--quick", action="store_true", help=quick_help(QUICK, "smoke test"))
     args = parse_with_quick(p, QUICK, argv)
     args.out_given, args.out = args.out is not None, args.out or DEFAULT_OUT
     if (args.target is None) != (args.draft is None):
